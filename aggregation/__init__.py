@@ -1,0 +1,55 @@
+"""Pure aggregation algorithms on flat float32 vectors: no I/O, no network, no server types."""
+
+from murmura.aggregation.base import (
+    AggregationError,
+    Aggregator,
+    BufferedAggregator,
+    FlatVector,
+    available_aggregators,
+    create_aggregator,
+    register_aggregator,
+)
+from murmura.aggregation.fedavg import WeightedMean, weighted_mean
+from murmura.aggregation.fedbuff import FedBuff, StaleUpdateError
+from murmura.aggregation.optimizers import (
+    FedAdam,
+    FedAvgM,
+    FedAvgOpt,
+    FedYogi,
+    ServerOptimizer,
+    available_optimizers,
+    create_optimizer,
+)
+from murmura.aggregation.staleness import (
+    Constant,
+    Hinge,
+    Polynomial,
+    StalenessFn,
+    staleness_function,
+)
+
+__all__ = [
+    "AggregationError",
+    "Aggregator",
+    "BufferedAggregator",
+    "Constant",
+    "FedAdam",
+    "FedAvgM",
+    "FedAvgOpt",
+    "FedBuff",
+    "FedYogi",
+    "FlatVector",
+    "Hinge",
+    "Polynomial",
+    "ServerOptimizer",
+    "StaleUpdateError",
+    "StalenessFn",
+    "WeightedMean",
+    "available_aggregators",
+    "available_optimizers",
+    "create_aggregator",
+    "create_optimizer",
+    "register_aggregator",
+    "staleness_function",
+    "weighted_mean",
+]

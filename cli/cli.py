@@ -1,0 +1,390 @@
+"""The ``murmura`` command: run, server, client (and ``python -m murmura``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from murmura import __version__
+from murmura.config import add_arguments, build, read_toml
+from murmura.progress import Progress
+
+log = logging.getLogger("murmura")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """``murmura run``: an aggregator and N client processes on loopback."""
+
+    clients: int = 10
+    out: str = "runs/latest"
+    client_threads: int = 1
+    timeout_s: float = 900.0
+    in_process: bool = False   # clients as threads of this process instead of processes
+
+    def __post_init__(self) -> None:
+        if self.clients < 1:
+            raise ValueError(f"clients must be >= 1, got {self.clients}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+def _task_and_server(args: argparse.Namespace, toml: dict[str, Any], **overrides: Any):  # noqa: ANN202
+    from murmura.server import ServerConfig
+    from murmura.tasks import TaskConfig
+
+    task = build(TaskConfig, toml.get("task"), args, section="task")
+    server = build(ServerConfig, toml.get("server"), args, section="server", overrides=overrides)
+    if server.train.seed != server.seed:  # one seed for the run, shared with clients
+        server = dataclasses.replace(server, train=dataclasses.replace(server.train,
+                                                                       seed=server.seed))
+    return task, server
+
+
+def _configure_logging(args: argparse.Namespace, default: int) -> None:
+    level = default - 10 * args.verbose + 10 * args.quiet
+    logging.basicConfig(level=max(level, logging.DEBUG), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# -- murmura run ------------------------------------------------------------------------------
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from murmura.server import ServerThread, build_core
+
+    _configure_logging(args, logging.WARNING)
+    toml = read_toml(args.config)
+    run = build(RunConfig, toml.get("run"), args, section="run")
+    given_min = args.min_clients is not None or "min_clients" in toml.get("server", {})
+    task, server = _task_and_server(args, toml, address="127.0.0.1:0")
+    if not given_min:  # wait for every client before the first round: a deterministic cohort
+        server = dataclasses.replace(server, min_clients=run.clients)
+    out = Path(run.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "metrics.jsonl").exists():
+        (out / "metrics.jsonl").unlink()  # a new run starts a new metrics file
+    print(f"murmura run: {run.clients} clients, mode={server.mode}, task={task.task}, "
+          f"codec={server.train.codec}, out={out}", file=sys.stderr)
+    t0 = time.monotonic()
+    # Fork client processes first, before this process runs any torch op or gRPC call.
+    launcher = ClientLauncher(run, task, out, args.device)
+    core = build_core(server, task, out_dir=out, extra_config={"run": dataclasses.asdict(run)})
+    progress = Progress(server.max_versions)
+    with ServerThread(core) as srv:
+        print(f"aggregator listening on {srv.address}", file=sys.stderr)
+        clients = launcher.start(srv.address)
+        try:
+            finished = _watch(srv, core, progress, clients, run.timeout_s)
+        finally:
+            progress.close()
+            failed = _stop_clients(clients)
+        metrics = srv.call(lambda: dict(core.last_metrics))
+    summary = core.recorder.finish({"wall_s": time.monotonic() - t0, "clients_failed": failed})
+    if not finished:
+        print(f"run did not finish: {'timeout' if time.monotonic() - t0 >= run.timeout_s else 'clients exited'}"
+              f" at version {metrics.get('version', 0)}", file=sys.stderr)
+    acc = summary.get("final_accuracy")
+    print(f"final test accuracy {acc:.4f} after {summary['versions']} versions "
+          f"({summary['updates']} updates, {summary['bytes_up'] / 1e6:.2f} MB up) "
+          f"in {summary['wall_s']:.1f} s" if acc is not None else "no version was published")
+    print(f"results: {out}/metrics.jsonl, {out}/summary.json, {out}/accuracy.png")
+    return 0 if finished and not failed else 1
+
+
+class ClientLauncher:
+    """Starts ``murmura run``'s client processes.
+
+    On Linux the processes are forked from this one once the modules they need are imported:
+    starting ten fresh interpreters that each import torch costs tens of seconds on a small
+    machine. Forking happens in ``__init__``, before this process runs any torch op or creates
+    any gRPC channel (neither survives a fork); the children then wait for the server's
+    address. Elsewhere each client is a fresh ``python -m murmura client`` process.
+    """
+
+    def __init__(self, run: RunConfig, task: Any, out: Path, device: str | None) -> None:
+        self.run, self.task, self.device = run, task, device
+        self.logs = out / "clients"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.clients: list[Any] = []
+        self._queue: Any = None
+        if run.in_process:
+            return
+        import multiprocessing as mp
+
+        if sys.platform.startswith("linux"):
+            import murmura.client  # noqa: F401  (shared with the children, copy-on-write)
+            import murmura.tasks  # noqa: F401
+
+            ctx = mp.get_context("fork")
+            self._queue = ctx.SimpleQueue()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for i in range(run.clients):
+                p = ctx.Process(target=_forked_client, name=f"client-{i:03d}",
+                                args=(self._queue, task, i, run,
+                                      str(self.logs / f"client-{i:03d}.log"), device))
+                p.start()
+                self.clients.append(p)
+
+    def start(self, address: str) -> list[Any]:
+        if self.run.in_process:
+            for i in range(self.run.clients):
+                t = threading.Thread(target=_client_thread, daemon=True, name=f"client-{i}",
+                                     args=(self.task, address, i, self.run.clients))
+                t.start()
+                self.clients.append(t)
+        elif self._queue is not None:
+            for _ in self.clients:
+                self._queue.put(address)
+        else:
+            for i in range(self.run.clients):
+                self.clients.append(self._spawn(address, i))
+        return self.clients
+
+    def _spawn(self, address: str, i: int) -> subprocess.Popen[bytes]:
+        task = self.task
+        cmd = [sys.executable, "-m", "murmura", "client", "--server", address,
+               "--client-id", f"client-{i:03d}", "--client-index", str(i),
+               "--num-clients", str(self.run.clients), "--threads", str(self.run.client_threads),
+               "--task", task.task, "--model", task.model, "--partition", task.partition,
+               "--alpha", str(task.alpha), "--data-seed", str(task.data_seed)]
+        if self.device:
+            cmd += ["--device", self.device]
+        with open(self.logs / f"client-{i:03d}.log", "wb") as logf:
+            return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+
+
+def _forked_client(queue: Any, task: Any, index: int, run: RunConfig, log_path: str,
+                   device: str | None) -> None:
+    import os
+
+    from murmura.client import ClientConfig
+
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    address = queue.get()
+    cfg = ClientConfig(server=address, client_id=f"client-{index:03d}", client_index=index,
+                       num_clients=run.clients, threads=run.client_threads,
+                       device=device or "auto")
+    stats = run_client(cfg, task)
+    print(f"client {cfg.client_id}: {stats.pushed} updates pushed, {stats.refused} refused, "
+          f"{stats.retries} retries", flush=True)
+
+
+def _client_thread(task_cfg: Any, address: str, index: int, num: int) -> None:
+    from murmura.client import ClientConfig
+
+    cfg = ClientConfig(server=address, client_id=f"client-{index:03d}", client_index=index,
+                       num_clients=num, device="cpu")
+    run_client(cfg, task_cfg)
+
+
+def _alive(c: Any) -> bool:
+    if isinstance(c, subprocess.Popen):
+        return c.poll() is None
+    return bool(c.is_alive())
+
+
+def _watch(srv: Any, core: Any, progress: Progress, clients: list[Any], timeout: float) -> bool:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if srv.wait_done(timeout=0.25):
+            progress.update(srv.call(lambda: dict(core.last_metrics)))
+            return True
+        progress.update(srv.call(lambda: dict(core.last_metrics)))
+        if not any(_alive(c) for c in clients):
+            return bool(srv.call(lambda: core.done))
+    return False
+
+
+def _stop_clients(clients: list[Any], grace_s: float = 30.0) -> int:
+    """Wait for clients to leave after the server's STOP; end stragglers. Returns failures."""
+    deadline = time.monotonic() + grace_s
+    failed = 0
+    for c in clients:
+        if isinstance(c, threading.Thread):
+            c.join(max(deadline - time.monotonic(), 0.1))
+            continue
+        if isinstance(c, subprocess.Popen):
+            try:
+                c.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                c.terminate()
+                c.wait(10)
+            code = c.returncode
+        else:  # multiprocessing.Process
+            c.join(max(deadline - time.monotonic(), 0.1))
+            if c.is_alive():
+                c.terminate()
+                c.join(10)
+            code = c.exitcode
+        if code not in (0, -signal.SIGTERM):
+            failed += 1
+            log.error("a client process exited with code %s (see its log)", code)
+    return failed
+
+
+# -- murmura server ---------------------------------------------------------------------------
+
+def cmd_server(args: argparse.Namespace) -> int:
+    _configure_logging(args, logging.INFO)
+    toml = read_toml(args.config)
+    task, server = _task_and_server(args, toml)
+    return asyncio.run(_serve(server, task, args))
+
+
+async def _serve(server_cfg: Any, task: Any, args: argparse.Namespace) -> int:
+    from murmura.server import AggregatorServer, build_core
+
+    out = Path(args.out)
+    resume = args.resume
+    if resume == "auto":
+        candidate = out / "checkpoint.npz"
+        resume = str(candidate) if candidate.exists() else None
+    core = build_core(server_cfg, task, out_dir=out, resume=resume)
+    srv = AggregatorServer(core)
+    await srv.start()
+    print(f"murmura server listening on {srv.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    done = asyncio.ensure_future(srv.wait_done())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({done, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if done.done() and not stop.is_set():
+        log.info("reached %d versions; telling clients to stop", core.version)
+        try:  # keep answering STOP for a moment so connected clients learn the run is over
+            await asyncio.wait_for(stop.wait(), args.linger_s)
+        except asyncio.TimeoutError:
+            pass
+    else:
+        log.info("signal received; shutting down")
+        core.stop()
+    done.cancel()
+    stopped.cancel()
+    await srv.stop(grace=1.0)
+    summary = core.recorder.finish()
+    print(f"stopped at version {summary['versions']}; results in {out}", flush=True)
+    return 0
+
+
+# -- murmura client ---------------------------------------------------------------------------
+
+def run_client(cfg: Any, task_cfg: Any) -> Any:
+    """Join ``cfg.server`` and train the bundled task's share ``cfg.client_index``."""
+    import torch
+
+    from murmura.client import ClientRuntime, GrpcTransport, RetryPolicy, TorchTrainer
+    from murmura.edge import device_profile
+    from murmura.tasks import load_task
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    task = load_task(task_cfg)
+    trainer = TorchTrainer(task.build_model(), task.client_data(cfg.client_index, cfg.num_clients),
+                           device=cfg.device)
+    transport = GrpcTransport(cfg.server)
+    try:
+        runtime = ClientRuntime(transport, trainer, client_id=cfg.identity(),
+                                profile=device_profile(trainer.device), token=cfg.token,
+                                codec=cfg.codec, wait_s=cfg.wait_s,
+                                retry=RetryPolicy(give_up_after_s=cfg.give_up_after_s))
+        return runtime.run(max_tasks=cfg.max_tasks)
+    finally:
+        transport.close()
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    from murmura.client import ClientConfig, RemoteError
+    from murmura.tasks import TaskConfig
+
+    _configure_logging(args, logging.INFO)
+    toml = read_toml(args.config)
+    cfg = build(ClientConfig, toml.get("client"), args, section="client")
+    task = build(TaskConfig, toml.get("task"), args, section="task")
+    try:
+        stats = run_client(cfg, task)
+    except RemoteError as exc:
+        print(f"murmura client: {exc}", file=sys.stderr)
+        return 2
+    print(f"client {cfg.identity()}: {stats.pushed} updates pushed, {stats.refused} refused, "
+          f"{stats.retries} retries", flush=True)
+    return 0
+
+
+# -- parser -----------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    from murmura.client import ClientConfig
+    from murmura.server import ServerConfig
+    from murmura.tasks import TaskConfig
+
+    parser = argparse.ArgumentParser(prog="murmura", description=(
+        "Federated and decentralized learning: an aggregator service, gRPC clients and a "
+        "simulator sharing one code path."))
+    parser.add_argument("--version", action="version", version=f"murmura {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", help="TOML file with [task], [server], [client], [run] tables")
+        p.add_argument("-v", "--verbose", action="count", default=0)
+        p.add_argument("-q", "--quiet", action="count", default=0)
+
+    p = sub.add_parser("run", help="aggregator + N clients on loopback, end to end",
+                       description="Start an aggregator and N client processes on loopback, "
+                       "train the task, and write metrics, a summary and plots to --out.")
+    common(p)
+    add_arguments(p, RunConfig, title="run")
+    add_arguments(p, TaskConfig, title="task")
+    add_arguments(p, ServerConfig, title="server", skip=("address",))
+    p.add_argument("--device", default=None, help="clients' device: auto, cpu, cuda, mps")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("server", help="run the aggregator service",
+                       description="Serve the aggregator on --address until --max-versions "
+                       "global versions exist or SIGINT/SIGTERM.")
+    common(p)
+    add_arguments(p, TaskConfig, title="task")
+    add_arguments(p, ServerConfig, title="server")
+    p.add_argument("--out", default="runs/server", help="output directory (default: runs/server)")
+    p.add_argument("--resume", default=None, metavar="PATH|auto",
+                   help="start from a checkpoint; 'auto' uses OUT/checkpoint.npz if present")
+    p.add_argument("--linger-s", type=float, default=5.0,
+                   help="after the last version, keep telling clients to stop (default: 5)")
+    p.set_defaults(fn=cmd_server)
+
+    p = sub.add_parser("client", help="run one client against an aggregator",
+                       description="Join --server, train on this client's share of the task's "
+                       "data, push updates until the server says stop.")
+    common(p)
+    add_arguments(p, ClientConfig, title="client")
+    add_arguments(p, TaskConfig, title="task")
+    p.set_defaults(fn=cmd_client)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except ValueError as exc:  # configuration errors: say what is wrong, no traceback
+        print(f"murmura {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,21 @@
+"""The client runtime: trainers, the transport to the aggregator, and the retrying loop."""
+
+from murmura.client.config import ClientConfig
+from murmura.client.runtime import ClientRuntime, ClientStats, RetryPolicy
+from murmura.client.trainer import FunctionTrainer, TorchTrainer, Trainer, TrainResult, delta_of
+from murmura.client.transport import GrpcTransport, RemoteError, Transport
+
+__all__ = [
+    "ClientConfig",
+    "ClientRuntime",
+    "ClientStats",
+    "FunctionTrainer",
+    "GrpcTransport",
+    "RemoteError",
+    "RetryPolicy",
+    "TorchTrainer",
+    "TrainResult",
+    "Trainer",
+    "Transport",
+    "delta_of",
+]

@@ -1,0 +1,40 @@
+"""Typed configuration of a client process."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from murmura.edge import DEVICES
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Where the aggregator is, who this client is, and what it trains on."""
+
+    server: str = "127.0.0.1:50051"
+    client_id: str = ""            # default: <hostname>-<pid>
+    device: str = "auto"
+    codec: str = ""                # default: the server's choice
+    token: str = ""
+    client_index: int = 0          # which share of the bundled task's data this client holds
+    num_clients: int = 1           # how many shares the data is split into
+    max_tasks: int = 0             # 0: until the server says stop
+    wait_s: float = 10.0
+    threads: int = 0               # torch intra-op threads; 0 leaves torch's default
+    give_up_after_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if ":" not in self.server:
+            raise ValueError(f"server must be HOST:PORT, got {self.server!r}")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {DEVICES} or cuda:N, got {self.device!r}")
+        if self.num_clients < 1 or not 0 <= self.client_index < self.num_clients:
+            raise ValueError(f"client_index must lie in 0..num_clients-1, got "
+                             f"{self.client_index} of {self.num_clients}")
+        if self.max_tasks < 0 or self.wait_s < 0 or self.threads < 0:
+            raise ValueError("max_tasks, wait_s and threads must be >= 0")
+
+    def identity(self) -> str:
+        return self.client_id or f"{socket.gethostname()}-{os.getpid()}"

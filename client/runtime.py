@@ -1,0 +1,200 @@
+"""The client loop: join, ask for a task, pull, train, encode, push, repeat.
+
+It survives the server going away: retryable failures back off exponentially (seeded jitter)
+and resume when the server is back; a lost session (server restarted) re-joins; a retried push
+keeps its update id, so the server counts it once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+
+from murmura.protocols import (
+    Action,
+    DeviceProfile,
+    Encoder,
+    FlatVector,
+    ModelSpec,
+    TaskSettings,
+    UpdateHeader,
+    create_codec,
+)
+from murmura.client.trainer import Trainer, delta_of
+from murmura.client.transport import RemoteError, Transport
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+UpdateHook = Callable[[FlatVector], FlatVector]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with jitter; give up after ``give_up_after_s`` without success."""
+
+    initial_s: float = 0.2
+    max_s: float = 5.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+    give_up_after_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.initial_s <= self.max_s and self.multiplier >= 1 and 0 <= self.jitter < 1
+                and self.give_up_after_s >= 0):
+            raise ValueError("retry policy needs 0 < initial_s <= max_s, multiplier >= 1, "
+                             "0 <= jitter < 1 and give_up_after_s >= 0")
+
+
+@dataclass
+class ClientStats:
+    tasks: int = 0
+    pushed: int = 0
+    refused: int = 0
+    duplicates: int = 0
+    retries: int = 0
+    rejoins: int = 0
+    bytes_payload: int = 0
+    refusals: list[str] = field(default_factory=list)
+
+
+class ClientRuntime:
+    """Drives one client identity against an aggregator through a :class:`Transport`."""
+
+    def __init__(self, transport: Transport, trainer: Trainer, *, client_id: str,
+                 profile: DeviceProfile | None = None, token: str = "", codec: str = "",
+                 retry: RetryPolicy | None = None, wait_s: float = 10.0,
+                 sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic,
+                 update_hook: UpdateHook | None = None) -> None:
+        self.transport = transport
+        self.trainer = trainer
+        self.client_id = client_id
+        self.profile = profile or DeviceProfile()
+        self.token = token
+        self.codec_name = codec
+        self.retry = retry or RetryPolicy()
+        self.wait_s = wait_s
+        self.sleep = sleep
+        self.clock = clock
+        self.update_hook = update_hook
+        self.stats = ClientStats()
+        self.session = ""
+        self.settings: TaskSettings | None = None
+        self.spec: ModelSpec | None = None
+        self._encoder: Encoder | None = None
+        self._rand = random.Random(client_id)
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _join(self) -> None:
+        result, spec = self.transport.join(self.client_id, self.profile, self.token)
+        if spec.fingerprint() != self.trainer.spec.fingerprint():
+            raise ValueError(f"the server trains model spec {spec.fingerprint()} "
+                             f"({spec.size} values); this client's model is "
+                             f"{self.trainer.spec.fingerprint()} ({self.trainer.spec.size} values)")
+        first = not self.session
+        self.session, self.settings, self.spec = result.session, result.settings, spec
+        if first or self._encoder is None:
+            name = self.codec_name or result.settings.codec
+            options = result.settings.codec_options if name == result.settings.codec else {}
+            seed = int.from_bytes(uuid.uuid5(uuid.NAMESPACE_OID, self.client_id).bytes[:4], "big")
+            self._encoder = create_codec(name, options).encoder(spec.size, seed=seed)
+            self.codec_name = name
+        log.info("%s joined (%s mode, codec %s)", self.client_id, result.mode, self.codec_name)
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` with backoff on retryable errors and a re-join on a lost session."""
+        delay, started = self.retry.initial_s, self.clock()
+        while True:
+            try:
+                return fn()
+            except RemoteError as exc:
+                if exc.status == "UNAUTHENTICATED" and self.session:
+                    log.info("%s: session lost (%s); joining again", self.client_id, exc.message)
+                    self.stats.rejoins += 1
+                    self.session = ""
+                    fn_join: Callable[[], None] = self._join
+                    self._call(fn_join)
+                    continue
+                if not exc.retryable or self.clock() - started > self.retry.give_up_after_s:
+                    raise
+                self.stats.retries += 1
+                pause = delay * (1 + self.retry.jitter * (2 * self._rand.random() - 1))
+                log.info("%s: %s; retrying in %.2fs", self.client_id, exc.status, pause)
+                self.sleep(pause)
+                delay = min(delay * self.retry.multiplier, self.retry.max_s)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self, *, max_tasks: int = 0) -> ClientStats:
+        """Work until the server says stop (or ``max_tasks`` tasks are done); then leave."""
+        self._call(self._join)
+        try:
+            while not max_tasks or self.stats.tasks < max_tasks:
+                task = self._call(lambda: self.transport.task(self.session, self.wait_s))
+                if task.action == Action.STOP:
+                    log.info("%s: server says stop", self.client_id)
+                    break
+                if task.action == Action.WAIT:
+                    if task.retry_after_s > 0 and self.wait_s == 0:
+                        self.sleep(task.retry_after_s)
+                    continue
+                self.step(task.round, task.seed)
+        finally:
+            try:
+                if self.session:
+                    self.transport.leave(self.session)
+            except RemoteError:
+                pass
+        return self.stats
+
+    def step(self, round_: int, seed: int) -> None:
+        """One task: pull the current model, train, push the update."""
+        assert self.settings is not None and self._encoder is not None
+        version, params = self._call(lambda: self.transport.pull(self.session))
+        base = params.copy()
+        result = self.trainer.train(params, self.settings, seed=seed)
+        if result.encoded is not None:
+            codec, payload = result.encoded
+        else:
+            assert result.params is not None
+            update = delta_of(result.params, base)
+            if self.update_hook is not None:
+                update = self.update_hook(update)
+            codec, payload = self.codec_name, self._encoder.encode(update)
+        update_id = uuid.uuid4().hex
+        metrics = dict(result.metrics)
+
+        def push() -> object:
+            header = UpdateHeader(session=self.session, update_id=update_id, base_version=version,
+                                  round=round_, num_examples=result.num_examples, codec=codec,
+                                  payload_bytes=len(payload), metrics=metrics,
+                                  spec_fingerprint=self.trainer.spec.fingerprint())
+            return self.transport.push(header, payload)
+
+        self.stats.tasks += 1
+        try:
+            reply = self._call(push)
+        except RemoteError as exc:
+            if exc.retryable:
+                raise
+            self.stats.refused += 1
+            self.stats.refusals.append(exc.status)
+            log.warning("%s: update refused: %s", self.client_id, exc)
+            return
+        self.stats.pushed += 1
+        self.stats.bytes_payload += len(payload)
+        if getattr(reply, "duplicate", False):
+            self.stats.duplicates += 1
+
+
+def flat_copy(vector: FlatVector) -> FlatVector:
+    return np.array(vector, dtype=np.float32, copy=True)

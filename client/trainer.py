@@ -1,0 +1,142 @@
+"""Local training: turn the global model into a client's new model.
+
+Two ways in, for two kinds of users:
+
+* :class:`TorchTrainer` — give a ``torch.nn.Module``, data (arrays, a ``DataLoader`` or a
+  function that builds one) and a loss; Murmura runs SGD with the server's settings.
+* :class:`FunctionTrainer` — give ``train(model, settings, seed) -> metrics`` for full control.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from murmura.edge import resolve_device
+from murmura.protocols import FlatVector, ModelSpec, TaskSettings
+from murmura.tasks import ArrayDataset
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class TrainResult:
+    """A client's new local model (or its own encoding of the update) and what it measured."""
+
+    params: FlatVector | None
+    num_examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    #: (codec name, payload) for trainers that produce their own encoding (seed-based training)
+    encoded: tuple[str, bytes] | None = None
+
+
+class Trainer(ABC):
+    spec: ModelSpec
+
+    @abstractmethod
+    def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
+        """Start from ``params``, train locally, return the result."""
+
+
+def _seed_everything(seed: int) -> torch.Generator:
+    torch.manual_seed(seed % (2**63))
+    return torch.Generator().manual_seed(seed % (2**63))
+
+
+class TorchTrainer(Trainer):
+    """Plain first-order local SGD on a torch module.
+
+    ``data`` is an :class:`ArrayDataset` (batched here, shuffled from the task seed), a
+    ``DataLoader``/iterable of ``(x, y)`` batches, or a zero-argument function returning one.
+    """
+
+    def __init__(self, model: nn.Module, data: ArrayDataset | Iterable[Any] | Callable[[], Any],
+                 *, loss_fn: LossFn = nn.functional.cross_entropy, device: str = "auto",
+                 num_examples: int | None = None, weight_decay: float = 0.0) -> None:
+        self.device = resolve_device(device)
+        self.model = model.to(self.device)
+        self.spec = ModelSpec.from_module(self.model)
+        self.data = data
+        self.loss_fn = loss_fn
+        self.weight_decay = weight_decay
+        self._num_examples = num_examples
+
+    def _batches(self, settings: TaskSettings, gen: torch.Generator) -> Iterable[Any]:
+        data = self.data() if callable(self.data) and not isinstance(self.data, ArrayDataset) \
+            else self.data
+        if isinstance(data, ArrayDataset):
+            perm = torch.randperm(len(data), generator=gen).numpy()
+            x, y = torch.from_numpy(data.x[perm]), torch.from_numpy(data.y[perm])
+            for s in range(0, len(data), settings.batch_size):
+                yield x[s:s + settings.batch_size], y[s:s + settings.batch_size]
+        else:
+            yield from data
+
+    def num_examples(self) -> int:
+        if self._num_examples is not None:
+            return self._num_examples
+        if isinstance(self.data, ArrayDataset):
+            return len(self.data)
+        try:
+            return len(self.data.dataset)  # type: ignore[union-attr]
+        except (AttributeError, TypeError):
+            raise ValueError("pass num_examples= for data whose size is unknown") from None
+
+    def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
+        gen = _seed_everything(seed)
+        self.spec.load_into(self.model, params)
+        self.model.train()
+        opt = torch.optim.SGD(self.model.parameters(), lr=settings.lr,
+                              momentum=settings.momentum, weight_decay=self.weight_decay)
+        steps, loss_sum, seen = 0, 0.0, 0
+        epochs = settings.local_epochs if settings.local_steps == 0 else 10**9
+        for _ in range(epochs):
+            for x, y in self._batches(settings, gen):
+                x, y = x.to(self.device), y.to(self.device)
+                opt.zero_grad(set_to_none=True)
+                loss = self.loss_fn(self.model(x), y)
+                loss.backward()
+                opt.step()
+                steps += 1
+                loss_sum += float(loss.detach()) * len(y)
+                seen += len(y)
+                if settings.local_steps and steps >= settings.local_steps:
+                    break
+            if settings.local_steps and steps >= settings.local_steps:
+                break
+        if steps == 0:
+            raise ValueError("the local data yielded no batch")
+        return TrainResult(self.spec.flatten(self.model), self.num_examples(),
+                           {"train_loss": loss_sum / max(seen, 1), "steps": float(steps)})
+
+
+class FunctionTrainer(Trainer):
+    """Full control: ``fn(model, settings, seed)`` trains ``model`` in place and returns metrics,
+    which must include ``num_examples``."""
+
+    def __init__(self, model: nn.Module,
+                 fn: Callable[[nn.Module, TaskSettings, int], dict[str, float]]) -> None:
+        self.model = model
+        self.spec = ModelSpec.from_module(model)
+        self.fn = fn
+
+    def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
+        _seed_everything(seed)
+        self.spec.load_into(self.model, params)
+        metrics = dict(self.fn(self.model, settings, seed))
+        n = metrics.pop("num_examples", None)
+        if n is None or n <= 0:
+            raise ValueError("the train function must return a positive 'num_examples'")
+        return TrainResult(self.spec.flatten(self.model), int(n),
+                           {k: float(v) for k, v in metrics.items()})
+
+
+def delta_of(new: FlatVector, base: FlatVector) -> FlatVector:
+    """The update a client sends: its trained model minus the global model it started from."""
+    return np.subtract(new, base, dtype=np.float32)

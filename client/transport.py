@@ -1,0 +1,156 @@
+"""How a client reaches the aggregator: one small interface, a gRPC implementation.
+
+The simulation supplies an in-memory implementation of the same interface, so the client
+runtime runs unchanged over the network and inside a simulated federation.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import grpc
+import numpy as np
+
+from murmura.protocols import (
+    PROTOCOL_VERSION,
+    DeviceProfile,
+    FlatVector,
+    JoinResult,
+    ModelSpec,
+    PushResult,
+    Task,
+    UpdateHeader,
+)
+from murmura.protocols import murmura_pb2 as pb
+from murmura.protocols import murmura_pb2_grpc as pb_grpc
+from murmura.protocols import serde
+
+#: Statuses worth retrying after a pause: the server is away, overloaded or restarting.
+RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED"})
+
+
+class RemoteError(Exception):
+    """The aggregator refused a request or could not be reached; ``status`` names why."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+    @property
+    def retryable(self) -> bool:
+        return self.status in RETRYABLE
+
+
+class Transport(ABC):
+    @abstractmethod
+    def join(self, client_id: str, profile: DeviceProfile, token: str = ""
+             ) -> tuple[JoinResult, ModelSpec]: ...
+
+    @abstractmethod
+    def task(self, session: str, wait_s: float) -> Task: ...
+
+    @abstractmethod
+    def pull(self, session: str) -> tuple[int, FlatVector]:
+        """The current global version and a writable copy of its vector."""
+
+    @abstractmethod
+    def push(self, header: UpdateHeader, payload: bytes) -> PushResult: ...
+
+    @abstractmethod
+    def leave(self, session: str) -> None: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+    @property
+    def bytes_up(self) -> int:
+        return 0
+
+
+class GrpcTransport(Transport):
+    """The aggregator over gRPC; every call has a deadline."""
+
+    def __init__(self, address: str, *, timeout_s: float = 60.0,
+                 chunk_bytes: int = serde.CHUNK_BYTES) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", 4 * chunk_bytes + (1 << 16)),
+            ("grpc.max_send_message_length", 4 * chunk_bytes + (1 << 16)),
+        ])
+        self._stub = pb_grpc.AggregatorStub(self._channel)
+        self._bytes_up = 0
+
+    @staticmethod
+    def _wrap(exc: grpc.RpcError) -> RemoteError:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        return RemoteError(code.name if code else "UNKNOWN", details or "")
+
+    def join(self, client_id: str, profile: DeviceProfile, token: str = ""
+             ) -> tuple[JoinResult, ModelSpec]:
+        req = pb.JoinRequest(client_id=client_id, profile=serde.profile_to_proto(profile),
+                             token=token, protocol_version=PROTOCOL_VERSION)
+        try:
+            reply = self._stub.Join(req, timeout=self.timeout_s, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise self._wrap(exc) from None
+        return serde.join_result_from_proto(reply)
+
+    def task(self, session: str, wait_s: float) -> Task:
+        try:
+            reply = self._stub.GetTask(pb.TaskRequest(session=session, wait_s=wait_s),
+                                       timeout=wait_s + self.timeout_s)
+        except grpc.RpcError as exc:
+            raise self._wrap(exc) from None
+        return serde.task_from_proto(reply)
+
+    def pull(self, session: str) -> tuple[int, FlatVector]:
+        try:
+            stream = self._stub.Pull(pb.PullRequest(session=session), timeout=self.timeout_s)
+            header = None
+            buf = bytearray()
+            received = 0
+            for chunk in stream:
+                if chunk.WhichOneof("kind") == "header":
+                    header = chunk.header
+                    buf = bytearray(header.payload_bytes)
+                else:
+                    if header is None:
+                        raise RemoteError("DATA_LOSS", "model stream began without a header")
+                    end = received + len(chunk.data)
+                    if end > len(buf):
+                        raise RemoteError("DATA_LOSS", "model stream is longer than announced")
+                    buf[received:end] = chunk.data
+                    received = end
+        except grpc.RpcError as exc:
+            raise self._wrap(exc) from None
+        if header is None or received != header.payload_bytes:
+            raise RemoteError("DATA_LOSS", "model stream ended early")
+        if header.codec != "dense-f32":
+            raise RemoteError("UNIMPLEMENTED", f"model arrived in codec {header.codec!r}")
+        return header.version, np.frombuffer(buf, dtype="<f4").astype(np.float32, copy=False)
+
+    def push(self, header: UpdateHeader, payload: bytes) -> PushResult:
+        chunks = list(serde.iter_update_chunks(header, payload, self.chunk_bytes))
+        try:
+            reply = self._stub.Push(iter(chunks), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise self._wrap(exc) from None
+        self._bytes_up += sum(c.ByteSize() for c in chunks)
+        return serde.push_result_from_proto(reply)
+
+    def leave(self, session: str) -> None:
+        try:
+            self._stub.Leave(pb.LeaveRequest(session=session), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise self._wrap(exc) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    @property
+    def bytes_up(self) -> int:
+        return self._bytes_up

@@ -1,0 +1,135 @@
+"""Codec interface and registry.
+
+A codec turns an update (a flat float32 vector, usually the difference between a client's
+trained model and the global model it started from) into payload bytes and back. Encoding may
+keep per-client state (error feedback, a random stream), so each client asks the codec for its
+own :class:`Encoder`; decoding is stateless and validates everything it reads, since payloads
+come from untrusted peers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+FlatVector = npt.NDArray[np.float32]
+
+
+class CodecError(ValueError):
+    """A payload or a codec option is malformed; the message says what and where."""
+
+
+class UnknownCodecError(KeyError):
+    """No codec is registered under this name."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "unknown codec"
+
+
+class Encoder(ABC):
+    """Per-client encoding state for one codec."""
+
+    @abstractmethod
+    def encode(self, update: FlatVector) -> bytes:
+        """Encode one update; may update internal state (e.g. an error-feedback residual)."""
+
+
+class Codec(ABC):
+    """A named update encoding. Subclasses parse their options in ``__init__``."""
+
+    name: ClassVar[str]
+    #: True when decode needs the model the update was computed against (seed-based replay).
+    needs_reference: ClassVar[bool] = False
+
+    def __init__(self, **options: str) -> None:
+        if options:
+            raise CodecError(f"codec {self.name!r} takes no options, got {sorted(options)}")
+
+    @abstractmethod
+    def encoder(self, size: int, *, seed: int = 0) -> Encoder:
+        """A fresh encoder for updates of ``size`` values."""
+
+    @abstractmethod
+    def decode(
+        self, payload: bytes | memoryview, size: int, *, reference: FlatVector | None = None
+    ) -> FlatVector:
+        """Rebuild an update of ``size`` values; raise :class:`CodecError` on malformed input."""
+
+    def max_payload_bytes(self, size: int) -> int | None:
+        """Exact or upper bound on a payload's size for ``size`` values, when known."""
+        return None
+
+
+_REGISTRY: dict[str, type[Codec]] = {}
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: make ``cls`` available under ``cls.name``; duplicates fail loudly."""
+    name = getattr(cls, "name", None)
+    if not name:
+        raise ValueError(f"{cls.__name__} has no codec name")
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise ValueError(f"codec {name!r} is already registered by {_REGISTRY[name].__name__}")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def create_codec(name: str, options: Mapping[str, str] | None = None) -> Codec:
+    """Instantiate the codec registered under ``name`` with string options."""
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise UnknownCodecError(
+            f"unknown codec {name!r}; available: {', '.join(available_codecs())}"
+        ) from None
+    return cls(**dict(options or {}))
+
+
+def available_codecs() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def parse_float_option(codec: str, options: dict[str, str], key: str, default: float,
+                       *, low: float, high: float) -> float:
+    """Pop ``key`` from options as a float in [low, high], with a clear error otherwise."""
+    raw = options.pop(key, None)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise CodecError(f"codec {codec!r}: option {key}={raw!r} is not a number") from None
+    if not (low <= value <= high):
+        raise CodecError(f"codec {codec!r}: option {key}={value} must lie in [{low}, {high}]")
+    return value
+
+
+def parse_int_option(codec: str, options: dict[str, str], key: str, default: int,
+                     *, low: int, high: int) -> int:
+    """Pop ``key`` from options as an int in [low, high], with a clear error otherwise."""
+    raw = options.pop(key, None)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise CodecError(f"codec {codec!r}: option {key}={raw!r} is not an integer") from None
+    if not (low <= value <= high):
+        raise CodecError(f"codec {codec!r}: option {key}={value} must lie in [{low}, {high}]")
+    return value
+
+
+def reject_leftover_options(codec: str, options: dict[str, str]) -> None:
+    if options:
+        raise CodecError(f"codec {codec!r}: unknown option(s) {sorted(options)}")
+
+
+def check_payload_length(codec: str, payload: bytes | memoryview, expected: int) -> None:
+    if len(payload) != expected:
+        raise CodecError(
+            f"codec {codec!r}: payload is {len(payload)} bytes, expected {expected}"
+        )

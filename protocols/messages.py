@@ -1,0 +1,100 @@
+"""Plain Python types for what travels on the wire.
+
+Servicers and transports convert between these and the generated ``*_pb2`` messages (see
+:mod:`murmura.protocols.serde`); the rest of Murmura sees only these types.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What a client says about the hardware it trains on."""
+
+    device: str = "cpu"
+    device_name: str = ""
+    memory_bytes: int = 0
+    steps_per_s: float = 0.0
+    cpu_count: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """How clients train locally and encode their updates; chosen by the server."""
+
+    trainer: str = "sgd"
+    local_epochs: int = 3
+    local_steps: int = 0
+    batch_size: int = 16
+    lr: float = 0.1
+    momentum: float = 0.5
+    codec: str = "dense-f32"
+    codec_options: dict[str, str] = field(default_factory=dict)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.trainer not in ("sgd", "zo"):
+            raise ValueError(f"trainer must be 'sgd' or 'zo', got {self.trainer!r}")
+        if self.local_epochs < 0 or self.local_steps < 0:
+            raise ValueError("local_epochs and local_steps must be >= 0")
+        if self.local_epochs == 0 and self.local_steps == 0:
+            raise ValueError("set local_epochs or local_steps to a positive number")
+        if self.batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must lie in [0, 1), got {self.momentum}")
+
+
+class Action(enum.IntEnum):
+    WAIT = 0
+    TRAIN = 1
+    STOP = 2
+
+
+@dataclass(frozen=True)
+class Task:
+    """The server's answer to "what should I do next"."""
+
+    action: Action
+    version: int = 0
+    round: int = 0
+    retry_after_s: float = 0.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class UpdateHeader:
+    """Everything about an update except its payload bytes."""
+
+    session: str
+    update_id: str
+    base_version: int
+    num_examples: int
+    codec: str
+    payload_bytes: int
+    round: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    spec_fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class PushResult:
+    duplicate: bool
+    version: int
+    staleness: int
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    session: str
+    settings: TaskSettings
+    mode: str
+    max_payload_bytes: int

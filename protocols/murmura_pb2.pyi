@@ -1,0 +1,217 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class ModelSpec(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class DeviceProfile(_message.Message):
+    __slots__ = ("device", "device_name", "memory_bytes", "steps_per_s", "cpu_count", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    device_name: str
+    memory_bytes: int
+    steps_per_s: float
+    cpu_count: int
+    extra: _containers.ScalarMap[str, str]
+    def __init__(self, device: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., cpu_count: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class TaskSettings(_message.Message):
+    __slots__ = ("trainer", "local_epochs", "local_steps", "batch_size", "lr", "momentum", "codec", "codec_options", "seed")
+    class CodecOptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    CODEC_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    trainer: str
+    local_epochs: int
+    local_steps: int
+    batch_size: int
+    lr: float
+    momentum: float
+    codec: str
+    codec_options: _containers.ScalarMap[str, str]
+    seed: int
+    def __init__(self, trainer: _Optional[str] = ..., local_epochs: _Optional[int] = ..., local_steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., codec: _Optional[str] = ..., codec_options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("client_id", "profile", "token", "protocol_version")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    profile: DeviceProfile
+    token: str
+    protocol_version: int
+    def __init__(self, client_id: _Optional[str] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., token: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("session", "settings", "spec", "mode", "max_payload_bytes")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    settings: TaskSettings
+    spec: ModelSpec
+    mode: str
+    max_payload_bytes: int
+    def __init__(self, session: _Optional[str] = ..., settings: _Optional[_Union[TaskSettings, _Mapping]] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., mode: _Optional[str] = ..., max_payload_bytes: _Optional[int] = ...) -> None: ...
+
+class TaskRequest(_message.Message):
+    __slots__ = ("session", "wait_s")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    wait_s: float
+    def __init__(self, session: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class TaskReply(_message.Message):
+    __slots__ = ("action", "version", "round", "retry_after_s", "seed")
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        WAIT: _ClassVar[TaskReply.Action]
+        TRAIN: _ClassVar[TaskReply.Action]
+        STOP: _ClassVar[TaskReply.Action]
+    WAIT: TaskReply.Action
+    TRAIN: TaskReply.Action
+    STOP: TaskReply.Action
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    action: TaskReply.Action
+    version: int
+    round: int
+    retry_after_s: float
+    seed: int
+    def __init__(self, action: _Optional[_Union[TaskReply.Action, str]] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., retry_after_s: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class ModelHeader(_message.Message):
+    __slots__ = ("version", "spec", "codec", "payload_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    spec: ModelSpec
+    codec: str
+    payload_bytes: int
+    def __init__(self, version: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+
+class ModelChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ModelHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ModelHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class UpdateHeader(_message.Message):
+    __slots__ = ("session", "update_id", "base_version", "round", "num_examples", "codec", "payload_bytes", "metrics", "spec_fingerprint")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    update_id: str
+    base_version: int
+    round: int
+    num_examples: int
+    codec: str
+    payload_bytes: int
+    metrics: _containers.ScalarMap[str, float]
+    spec_fingerprint: str
+    def __init__(self, session: _Optional[str] = ..., update_id: _Optional[str] = ..., base_version: _Optional[int] = ..., round: _Optional[int] = ..., num_examples: _Optional[int] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., spec_fingerprint: _Optional[str] = ...) -> None: ...
+
+class UpdateChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: UpdateHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[UpdateHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("duplicate", "version", "staleness")
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    version: int
+    staleness: int
+    def __init__(self, duplicate: _Optional[bool] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("session", "reason")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    reason: str
+    def __init__(self, session: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,166 @@
+"""Running the aggregator: build a core for a task, serve it over gRPC, stop it cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from murmura.protocols import ModelSpec
+from murmura.protocols import murmura_pb2_grpc as pb_grpc
+from murmura.server.checkpoint import load_checkpoint
+from murmura.server.config import ServerConfig
+from murmura.server.core import AggregatorCore, evaluator_for
+from murmura.server.outputs import RunRecorder
+from murmura.server.service import MAX_MESSAGE_BYTES, AggregatorServicer
+from murmura.tasks import TaskConfig, load_task
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "checkpoint.npz"
+
+
+def build_core(config: ServerConfig, task_config: TaskConfig, *, out_dir: str | Path | None,
+               resume: str | Path | None = None, evaluate: bool = True,
+               extra_config: dict[str, Any] | None = None) -> AggregatorCore:
+    """An aggregator core for a bundled task: initial model, evaluator, outputs, checkpoint."""
+    task = load_task(task_config)
+    model = task.build_model(seed=config.seed)
+    spec = ModelSpec.from_module(model)
+    start = load_checkpoint(resume) if resume else None
+    recorder = None
+    checkpoint_path = None
+    if out_dir is not None:
+        recorder = RunRecorder(out_dir, config={
+            "server": dataclasses.asdict(config), "task": dataclasses.asdict(task_config),
+            **(extra_config or {})})
+        checkpoint_path = Path(out_dir) / CHECKPOINT_NAME
+    evaluator = evaluator_for(task.model_factory, spec, task.test) if evaluate else None
+    core = AggregatorCore(config, spec, spec.flatten(model), evaluator=evaluator,
+                          recorder=recorder, checkpoint_path=checkpoint_path, start=start)
+    if start is not None:
+        log.info("resumed from %s at version %d", resume, start.version)
+    return core
+
+
+class AggregatorServer:
+    """A grpc.aio server around a core, bound to ``config.address`` (port 0 picks one)."""
+
+    def __init__(self, core: AggregatorCore, address: str | None = None, *,
+                 tick_s: float = 0.25) -> None:
+        self.core = core
+        self.requested_address = address or core.config.address
+        self.tick_s = tick_s
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._done = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        host = self.requested_address.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ])
+        pb_grpc.add_AggregatorServicer_to_server(AggregatorServicer(self.core), server)
+        self.port = server.add_insecure_port(self.requested_address)
+        if self.port == 0:
+            raise OSError(f"could not bind {self.requested_address}")
+        await server.start()
+        self._server = server
+        self.core.add_listener(self._check_done)
+        self._ticker = asyncio.create_task(self._tick())
+        log.info("aggregator listening on %s (mode=%s)", self.address, self.core.config.mode)
+
+    def _check_done(self) -> None:
+        if self.core.done:
+            self._done.set()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            try:
+                self.core.tick()
+            except Exception:  # a failing deadline check must not kill the server
+                log.exception("tick failed")
+
+    async def wait_done(self, timeout: float | None = None) -> bool:
+        """Wait until the run reached its last version; False on timeout."""
+        try:
+            await asyncio.wait_for(self._done.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+
+
+class ServerThread:
+    """Runs an :class:`AggregatorServer` on its own event loop in a background thread.
+
+    For tests and ``murmura run``: ``start()`` returns once the port is bound. Read the core only
+    through :meth:`call`, which runs a function on the server's loop.
+    """
+
+    def __init__(self, core: AggregatorCore, address: str | None = None) -> None:
+        self.core = core
+        self._address = address
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="murmura-aggregator")
+        self.server: AggregatorServer | None = None
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        self.server = AggregatorServer(self.core, self._address)
+        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=30)
+        return self
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.port
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None
+        return self.server.address
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        async def run() -> Any:
+            return fn(*args)
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=60)
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        assert self.server is not None
+        fut = asyncio.run_coroutine_threadsafe(self.server.wait_done(timeout), self._loop)
+        return bool(fut.result())
+
+    def stop(self, grace: float | None = 0.5) -> None:
+        if self.server is not None and self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._loop).result(30)
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

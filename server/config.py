@@ -1,0 +1,78 @@
+"""Typed, self-validating configuration of the aggregator service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from murmura.aggregation import available_optimizers
+from murmura.protocols import TaskSettings
+
+MODES = ("sync", "async")
+STALENESS = ("constant", "polynomial", "hinge")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the aggregator accepts, weighs and applies updates.
+
+    ``mode='sync'`` runs rounds over a cohort; ``mode='async'`` applies a FedBuff step every
+    ``buffer_size`` updates. Both refuse updates more than ``max_staleness`` versions old.
+    """
+
+    address: str = "127.0.0.1:0"
+    mode: str = "sync"
+    max_versions: int = 30
+    # sync rounds
+    cohort_size: int = 0           # 0: use cohort_fraction of the joined clients
+    cohort_fraction: float = 1.0
+    min_clients: int = 2
+    round_deadline_s: float = 120.0
+    # async (FedBuff)
+    buffer_size: int = 5
+    max_staleness: int = 20
+    staleness: str = "polynomial"
+    staleness_exponent: float = 0.5
+    # aggregation
+    aggregator: str = "fedavg"     # "--defense": any registered aggregation rule
+    optimizer: str = "fedavg"
+    server_lr: float = 1.0
+    # limits and identity
+    max_payload_mb: float = 1024.0
+    join_token: str = ""
+    seed: int = 0
+    # what clients do
+    train: TaskSettings = field(default_factory=TaskSettings)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.max_versions < 1:
+            raise ValueError(f"max_versions must be >= 1, got {self.max_versions}")
+        if self.cohort_size < 0:
+            raise ValueError(f"cohort_size must be >= 0, got {self.cohort_size}")
+        if not 0 < self.cohort_fraction <= 1:
+            raise ValueError(f"cohort_fraction must lie in (0, 1], got {self.cohort_fraction}")
+        if self.min_clients < 1:
+            raise ValueError(f"min_clients must be >= 1, got {self.min_clients}")
+        if self.cohort_size and self.cohort_size < self.min_clients:
+            raise ValueError(f"cohort_size {self.cohort_size} is below min_clients "
+                             f"{self.min_clients}; no round could ever start")
+        if not self.round_deadline_s > 0:
+            raise ValueError(f"round_deadline_s must be positive, got {self.round_deadline_s}")
+        if self.buffer_size < 1:
+            raise ValueError(f"buffer_size must be >= 1, got {self.buffer_size}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.staleness not in STALENESS:
+            raise ValueError(f"staleness must be one of {STALENESS}, got {self.staleness!r}")
+        if self.optimizer not in available_optimizers():
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; "
+                             f"available: {', '.join(available_optimizers())}")
+        if not self.server_lr > 0:
+            raise ValueError(f"server_lr must be positive, got {self.server_lr}")
+        if not self.max_payload_mb > 0:
+            raise ValueError(f"max_payload_mb must be positive, got {self.max_payload_mb}")
+
+    @property
+    def max_payload_bytes(self) -> int:
+        return int(self.max_payload_mb * (1 << 20))

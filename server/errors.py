@@ -1,0 +1,42 @@
+"""Domain errors of the aggregator, each naming the gRPC status it maps to.
+
+The core raises these without knowing about gRPC; the servicer maps ``status`` to
+``grpc.StatusCode`` in one place, and the simulation's in-memory transport raises them as they
+are. Messages say what was wrong and what the server expected.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """A request the aggregator refuses; nothing in the server's state changed."""
+
+    status = "INTERNAL"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(ServiceError):
+    status = "INVALID_ARGUMENT"
+
+
+class Unauthenticated(ServiceError):
+    status = "UNAUTHENTICATED"
+
+
+class PermissionDenied(ServiceError):
+    status = "PERMISSION_DENIED"
+
+
+class FailedPrecondition(ServiceError):
+    status = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(ServiceError):
+    status = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(ServiceError):
+    status = "UNAVAILABLE"

@@ -1,0 +1,80 @@
+"""What a run leaves behind: metrics.jsonl, summary.json and plots in its output directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class RunRecorder:
+    """Appends one JSON line per global version; writes the summary and plots at the end."""
+
+    def __init__(self, out_dir: str | Path, *, config: dict[str, Any] | None = None) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.config = config or {}
+        self.rows: list[dict[str, Any]] = []
+        self._file = self.metrics_path.open("a", encoding="utf-8")
+
+    def record(self, row: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in row.items()}
+        self.rows.append(clean)
+        self._file.write(json.dumps(clean, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def finish(self, extra: dict[str, Any] | None = None, *, plot: bool = True) -> dict[str, Any]:
+        """Write summary.json (and the plots); return the summary."""
+        self._file.close()
+        last = self.rows[-1] if self.rows else {}
+        accs = [r["accuracy"] for r in self.rows if r.get("accuracy") is not None]
+        summary: dict[str, Any] = {
+            "versions": last.get("version", 0),
+            "final_accuracy": last.get("accuracy"),
+            "final_loss": last.get("loss"),
+            "best_accuracy": max(accs) if accs else None,
+            "time_s": last.get("time_s", 0.0),
+            "updates": last.get("updates", 0),
+            "bytes_up": last.get("bytes_up", 0),
+            "bytes_down": last.get("bytes_down", 0),
+            "config": self.config,
+        }
+        summary.update(extra or {})
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True,
+                                                              default=str))
+        if plot and self.rows:
+            try:
+                plot_run(self.rows, self.out_dir / "accuracy.png")
+            except Exception:  # a missing plot must not lose a finished run's results
+                log.exception("could not draw the accuracy plot")
+        return summary
+
+
+def plot_run(rows: list[dict[str, Any]], path: Path) -> None:
+    """Accuracy against time and against cumulative uplink bytes, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    acc = [r.get("accuracy") for r in rows]
+    t = [r.get("time_s", 0.0) for r in rows]
+    up = [r.get("bytes_up", 0) / 1e6 for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].plot(t, acc, marker=".")
+    axes[0].set_xlabel("time (s)")
+    axes[1].plot(up, acc, marker=".")
+    axes[1].set_xlabel("cumulative uplink (MB)")
+    for ax in axes:
+        ax.set_ylabel("test accuracy")
+        ax.grid(alpha=0.3)
+    fig.suptitle("Murmura run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,217 @@
+"""When updates become new global versions: synchronous rounds or buffered async (FedBuff).
+
+Both policies sit on the same core and receive each update as soon as it has been validated
+and decoded. A policy decides which clients should train (``task_for``) and when the
+aggregate becomes a new version (it calls ``core.apply``).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from murmura.aggregation import (
+    AggregationError,
+    FedBuff,
+    FlatVector,
+    StaleUpdateError,
+    create_aggregator,
+    staleness_function,
+)
+from murmura.protocols import Action, Task, UpdateHeader
+from murmura.server.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:
+    from murmura.server.core import AggregatorCore, ClientRecord
+
+
+def _staleness_fn(core: AggregatorCore):  # noqa: ANN202
+    cfg = core.config
+    params = {"a": cfg.staleness_exponent} if cfg.staleness == "polynomial" else {}
+    return staleness_function(cfg.staleness, **params)
+
+
+class Policy(ABC):
+    def __init__(self, core: AggregatorCore) -> None:
+        self.core = core
+        self.staleness = _staleness_fn(core)
+
+    @abstractmethod
+    def task_for(self, rec: ClientRecord) -> Task: ...
+
+    def check_staleness(self, staleness: int) -> None:
+        limit = self.core.config.max_staleness
+        if staleness > limit:
+            raise FailedPrecondition(
+                f"update is {staleness} versions old (trained on version "
+                f"{self.core.version - staleness}, global is {self.core.version}); "
+                f"the limit is {limit}: pull the model and train again")
+
+    @abstractmethod
+    def accept(self, rec: ClientRecord, header: UpdateHeader, update: FlatVector,
+               staleness: int) -> None:
+        """Take a validated update in; raise a ServiceError (changing nothing) to refuse."""
+
+    def on_leave(self, rec: ClientRecord) -> None:
+        """A client left or was dropped."""
+
+    def tick(self, now: float) -> None:
+        """Called periodically with the core's clock: enforce deadlines."""
+
+    def buffered(self) -> int:
+        """Updates taken in but not yet part of a published version."""
+        return 0
+
+
+class SyncPolicy(Policy):
+    """Synchronous rounds: a seeded cohort trains on one version; the round closes when every
+    member has answered or left, or at the deadline with whatever arrived.
+
+    Cohort updates are folded in sorted client-id order, so a rerun gives bit-identical models
+    whatever order the network delivers them in (an early update waits for its predecessors).
+    Updates that arrive after their round closed are not lost: they enter the next aggregate
+    with their staleness weight.
+    """
+
+    def __init__(self, core: AggregatorCore) -> None:
+        super().__init__(core)
+        cfg = core.config
+        self.agg = create_aggregator(cfg.aggregator, core.spec.size)
+        self.round = 0
+        self.open = False
+        self.cohort: list[str] = []
+        self.submitted: set[str] = set()
+        self.dropped: set[str] = set()
+        self._pending: dict[str, tuple[FlatVector, float]] = {}
+        self._next = 0
+        self.deadline = math.inf
+
+    def _maybe_open(self) -> None:
+        cfg = self.core.config
+        ids = sorted(self.core.active_client_ids())
+        if len(ids) < cfg.min_clients:
+            return
+        k = cfg.cohort_size or math.ceil(cfg.cohort_fraction * len(ids))
+        k = max(min(k, len(ids)), 1)
+        self.round += 1
+        rng = np.random.default_rng([cfg.seed, self.round])
+        chosen = rng.choice(len(ids), size=k, replace=False) if k < len(ids) else range(len(ids))
+        self.cohort = sorted(ids[i] for i in chosen)
+        self.submitted, self.dropped, self._pending, self._next = set(), set(), {}, 0
+        self.deadline = self.core.clock() + cfg.round_deadline_s
+        self.open = True
+        self.core.log_event("round_open", round=self.round, cohort=len(self.cohort))
+
+    def task_for(self, rec: ClientRecord) -> Task:
+        if self.core.done:
+            return Task(Action.STOP, version=self.core.version)
+        if not self.open:
+            self._maybe_open()
+        cid = rec.client_id
+        if self.open and cid in self.cohort and cid not in self.submitted:
+            self.dropped.discard(cid)  # a member that re-joined may still answer
+            return Task(Action.TRAIN, version=self.core.version, round=self.round,
+                        seed=self.core.derive_seed("round", self.round, cid))
+        return Task(Action.WAIT, version=self.core.version, round=self.round, retry_after_s=0.5)
+
+    def accept(self, rec: ClientRecord, header: UpdateHeader, update: FlatVector,
+               staleness: int) -> None:
+        cid = rec.client_id
+        current = self.open and header.round == self.round and staleness == 0
+        if current and cid not in self.cohort:
+            raise FailedPrecondition(f"client {cid!r} is not in the cohort of round {self.round}")
+        if current and cid in self.submitted:
+            raise FailedPrecondition(f"client {cid!r} already sent an update for round "
+                                     f"{self.round}")
+        if header.round > self.round:
+            raise InvalidArgument(f"round {header.round} has not started (current round is "
+                                  f"{self.round})")
+        weight = float(header.num_examples)
+        try:
+            if current:
+                self.submitted.add(cid)
+                self._pending[cid] = (update, weight)
+                self._fold_in_order()
+            else:  # late: a closed or abandoned round, or an older version
+                self.agg.add(update, weight, factor=self.staleness(staleness), client_id=cid)
+        except AggregationError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        self._maybe_close()
+
+    def _fold_in_order(self, *, flush: bool = False) -> None:
+        while self._next < len(self.cohort):
+            cid = self.cohort[self._next]
+            if cid in self._pending:
+                update, weight = self._pending.pop(cid)
+                self.agg.add(update, weight, client_id=cid)
+            elif not (flush or cid in self.dropped):
+                return
+            self._next += 1
+
+    def _maybe_close(self, *, deadline: bool = False) -> None:
+        if not self.open:
+            return
+        answered = all(c in self.submitted or c in self.dropped for c in self.cohort)
+        if not (answered or deadline):
+            return
+        self._fold_in_order(flush=True)
+        self.open = False
+        if self.agg.count == 0:
+            self.core.log_event("round_abandoned", round=self.round)
+            return
+        delta = self.agg.result()
+        count = self.agg.count
+        self.agg.reset()
+        self.core.apply(delta, updates=count, round=self.round)
+
+    def on_leave(self, rec: ClientRecord) -> None:
+        if self.open and rec.client_id in self.cohort and rec.client_id not in self.submitted:
+            self.dropped.add(rec.client_id)
+            self._fold_in_order()
+            self._maybe_close()
+
+    def tick(self, now: float) -> None:
+        if self.open and now >= self.deadline:
+            self._maybe_close(deadline=True)
+
+    def buffered(self) -> int:
+        return self.agg.count + len(self._pending)
+
+
+class AsyncPolicy(Policy):
+    """Buffered asynchronous aggregation: every client trains whenever it asks; each
+    ``buffer_size`` updates, weighted by staleness, make one new version."""
+
+    def __init__(self, core: AggregatorCore) -> None:
+        super().__init__(core)
+        cfg = core.config
+        self.buffer = FedBuff(core.spec.size, buffer_size=cfg.buffer_size,
+                              max_staleness=cfg.max_staleness, staleness=self.staleness,
+                              aggregator=lambda size: create_aggregator(cfg.aggregator, size))
+        self._tasks = 0
+
+    def task_for(self, rec: ClientRecord) -> Task:
+        if self.core.done:
+            return Task(Action.STOP, version=self.core.version)
+        self._tasks += 1
+        return Task(Action.TRAIN, version=self.core.version,
+                    seed=self.core.derive_seed("task", self._tasks, rec.client_id))
+
+    def accept(self, rec: ClientRecord, header: UpdateHeader, update: FlatVector,
+               staleness: int) -> None:
+        try:
+            full = self.buffer.add(update, float(header.num_examples), staleness,
+                                   client_id=rec.client_id)
+        except StaleUpdateError as exc:
+            raise FailedPrecondition(str(exc)) from exc
+        except AggregationError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        if full:
+            count = self.buffer.count
+            self.core.apply(self.buffer.flush(), updates=count)
+
+    def buffered(self) -> int:
+        return self.buffer.count

@@ -1,0 +1,27 @@
+"""Bundled learning tasks: offline datasets, partitioners, small models and evaluation."""
+
+from murmura.tasks.data import ArrayDataset, load_digits, make_synthetic, train_test_split
+from murmura.tasks.models import evaluate, logistic_regression, mlp
+from murmura.tasks.partition import PARTITIONERS, dirichlet, iid, partition, quantity_skew, shards
+from murmura.tasks.registry import MODELS, TASKS, Task, TaskConfig, load_task
+
+__all__ = [
+    "MODELS",
+    "PARTITIONERS",
+    "TASKS",
+    "ArrayDataset",
+    "Task",
+    "TaskConfig",
+    "dirichlet",
+    "evaluate",
+    "iid",
+    "load_digits",
+    "load_task",
+    "logistic_regression",
+    "make_synthetic",
+    "mlp",
+    "partition",
+    "quantity_skew",
+    "shards",
+    "train_test_split",
+]

@@ -1,0 +1,92 @@
+"""Named tasks: a model factory plus the data each client and the server evaluator use.
+
+A task is what ``murmura run``/``server``/``client``/``simulate`` agree on by name, so a client
+process can rebuild its own data share from (task, seed, partition) without any data moving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from torch import nn
+
+from murmura.tasks import data as _data
+from murmura.tasks import models as _models
+from murmura.tasks.data import ArrayDataset
+from murmura.tasks.partition import PARTITIONERS, partition
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Which task to learn and how its data is split over clients."""
+
+    task: str = "digits"
+    model: str = "mlp"
+    partition: str = "dirichlet"
+    alpha: float = 0.5
+    data_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; available: {', '.join(sorted(TASKS))}")
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; available: {', '.join(MODELS)}")
+        if self.partition not in PARTITIONERS:
+            raise ValueError(f"unknown partition {self.partition!r}; "
+                             f"available: {', '.join(PARTITIONERS)}")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha must be positive, got {self.alpha}")
+
+
+@dataclass
+class Task:
+    """Train/test data and a model factory, resolved from a :class:`TaskConfig`."""
+
+    config: TaskConfig
+    train: ArrayDataset
+    test: ArrayDataset
+    model_factory: Callable[[], nn.Module]
+    _shares: list | None = field(default=None, repr=False)
+
+    def build_model(self, *, seed: int = 0) -> nn.Module:
+        return _models.seeded_init(self.model_factory, seed)
+
+    def client_data(self, index: int, num_clients: int) -> ArrayDataset:
+        """Client ``index``'s share of the training data (same split on every machine)."""
+        if not 0 <= index < num_clients:
+            raise ValueError(f"client index {index} is outside 0..{num_clients - 1}")
+        return self.train.subset(self.shares(num_clients)[index])
+
+    def shares(self, num_clients: int) -> list:
+        if self._shares is None or len(self._shares) != num_clients:
+            self._shares = partition(self.train.y, num_clients, scheme=self.config.partition,
+                                     seed=self.config.data_seed, alpha=self.config.alpha)
+        return self._shares
+
+
+def _digits(cfg: TaskConfig) -> tuple[ArrayDataset, ArrayDataset]:
+    return _data.load_digits(seed=cfg.data_seed)
+
+
+def _synthetic(cfg: TaskConfig) -> tuple[ArrayDataset, ArrayDataset]:
+    full = _data.make_synthetic(num_examples=12_000, seed=cfg.data_seed)
+    return _data.train_test_split(full, test_fraction=1 / 6, seed=cfg.data_seed)
+
+
+TASKS: dict[str, Callable[[TaskConfig], tuple[ArrayDataset, ArrayDataset]]] = {
+    "digits": _digits,
+    "synthetic": _synthetic,
+}
+MODELS = ("mlp", "logreg")
+
+
+def load_task(cfg: TaskConfig) -> Task:
+    train, test = TASKS[cfg.task](cfg)
+    features, classes = train.x.shape[1], max(train.num_classes, test.num_classes)
+    factory: Callable[[], nn.Module] = (
+        partial(_models.mlp, features, 64, classes) if cfg.model == "mlp"
+        else partial(_models.logistic_regression, features, classes)
+    )
+    return Task(cfg, train, test, factory)
