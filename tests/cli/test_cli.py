@@ -1,0 +1,107 @@
+"""The murmura command: help, config files, run end to end, server shutdown on signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from murmura.cli import build_parser, main
+from murmura.config import build, read_toml
+from murmura.server import ServerConfig
+
+SUBCOMMANDS = ["run", "server", "client"]
+
+
+@pytest.mark.parametrize("sub", SUBCOMMANDS)
+def test_every_subcommand_has_help(sub, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([sub, "--help"])
+    assert exit_.value.code == 0
+    assert "--config" in capsys.readouterr().out
+
+
+def test_python_dash_m_murmura_is_the_same_entry_point() -> None:
+    out = subprocess.run([sys.executable, "-m", "murmura", "--version"], capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert out.stdout.startswith("murmura ")
+
+
+def test_toml_then_flags_map_onto_config_fields(tmp_path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[server]\nmode = "async"\nbuffer_size = 7\nlr = 0.3\n'
+                   '[server.train]\ncodec = "dense-f16"\n')
+    args = build_parser().parse_args(["server", "--config", str(cfg), "--buffer-size", "9",
+                                      "--codec-option", "x=1"])
+    server = build(ServerConfig, read_toml(cfg).get("server"), args, section="server")
+    assert (server.mode, server.buffer_size) == ("async", 9)  # the flag wins over the file
+    assert server.train.lr == 0.3 and server.train.codec == "dense-f16"
+    assert server.train.codec_options == {"x": "1"}
+
+
+def test_config_errors_are_clear_and_exit_2(tmp_path, capsys) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[server]\nbuffer_sise = 3\n")
+    assert main(["run", "--config", str(cfg)]) == 2
+    assert "unknown key 'buffer_sise' in [server]" in capsys.readouterr().err
+    assert main(["run", "--mode", "semi-sync"]) == 2
+    assert "mode must be one of" in capsys.readouterr().err
+    assert main(["run", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_murmura_run_end_to_end_with_client_processes(tmp_path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "murmura", "run", "--clients", "3", "--max-versions", "4",
+         "--out", str(out), "--local-epochs", "1"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "final test accuracy" in proc.stdout and str(out) in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    for key in ("time_s", "accuracy", "loss", "updates", "bytes_up", "bytes_down"):
+        assert key in rows[-1]
+    assert rows[-1]["updates"] == 12 and rows[-1]["bytes_up"] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["versions"] == 4 and summary["config"]["run"]["clients"] == 3
+    assert (out / "accuracy.png").stat().st_size > 1000
+    assert len(list((out / "clients").glob("client-*.log"))) == 3
+
+
+@pytest.mark.integration
+def test_server_logs_its_bound_port_and_stops_cleanly_on_sigterm(tmp_path) -> None:
+    out = tmp_path / "srv"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "murmura", "server", "--address", "127.0.0.1:0", "--out",
+         str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert "listening on 127.0.0.1:" in line
+        port = int(line.rsplit(":", 1)[1])
+        assert port > 0
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    assert "stopped at version 0" in rest
+    assert (out / "summary.json").exists()
+
+
+def test_run_in_process_resumes_nothing_and_writes_outputs(tmp_path, capsys) -> None:
+    out = tmp_path / "inproc"
+    code = main(["run", "--in-process", "--clients", "2", "--max-versions", "2",
+                 "--local-epochs", "1", "--out", str(out), "-q"])
+    assert code == 0
+    assert "final test accuracy" in capsys.readouterr().out
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert Path(out / "checkpoint.npz").exists()

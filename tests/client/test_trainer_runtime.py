@@ -1,0 +1,169 @@
+"""Trainers and the client loop against the real core through an in-test transport."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from murmura.client import ClientRuntime, FunctionTrainer, RemoteError, RetryPolicy, TorchTrainer
+from murmura.client.transport import Transport
+from murmura.protocols import ModelSpec, TaskSettings
+from murmura.server import AggregatorCore, ServerConfig, ServiceError
+from murmura.tasks import TaskConfig, load_task
+
+
+class CoreTransport(Transport):
+    """Calls an AggregatorCore directly; can fail the next N calls with a status."""
+
+    def __init__(self, core: AggregatorCore) -> None:
+        self.core = core
+        self.failures: list[str] = []
+
+    def _maybe_fail(self) -> None:
+        if self.failures:
+            raise RemoteError(self.failures.pop(0), "injected")
+
+    def _call(self, fn, *args):
+        self._maybe_fail()
+        try:
+            return fn(*args)
+        except ServiceError as exc:
+            raise RemoteError(exc.status, exc.message) from None
+
+    def join(self, client_id, profile, token=""):
+        return self._call(self.core.join, client_id, profile), self.core.spec
+
+    def task(self, session, wait_s):
+        return self._call(self.core.task, session)
+
+    def pull(self, session):
+        version, params = self._call(self.core.model, session)
+        return version, params.copy()
+
+    def push(self, header, payload):
+        return self._call(self.core.push, header, payload)
+
+    def leave(self, session):
+        self._call(self.core.leave, session)
+
+
+def linear_trainer() -> FunctionTrainer:
+    model = torch.nn.Linear(2, 1)
+
+    def train(m, settings, seed):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)
+        return {"num_examples": 4, "loss": 0.5}
+
+    return FunctionTrainer(model, train)
+
+
+def core_for(trainer, **cfg) -> AggregatorCore:
+    return AggregatorCore(ServerConfig(**cfg), trainer.spec, trainer.spec.flatten(trainer.model))
+
+
+def test_torch_trainer_learns_and_is_seeded() -> None:
+    task = load_task(TaskConfig())
+    trainer = TorchTrainer(task.build_model(), task.client_data(0, 2), device="cpu")
+    p0 = trainer.spec.flatten(trainer.model)
+    s = TaskSettings(local_epochs=1)
+    a = trainer.train(p0, s, seed=5)
+    b = trainer.train(p0, s, seed=5)
+    c = trainer.train(p0, s, seed=6)
+    assert a.params.tobytes() == b.params.tobytes() != c.params.tobytes()
+    assert a.num_examples == len(task.client_data(0, 2)) and a.metrics["train_loss"] > 0
+    steps = trainer.train(p0, TaskSettings(local_epochs=0, local_steps=3), seed=1)
+    assert steps.metrics["steps"] == 3
+
+
+def test_function_trainer_needs_num_examples() -> None:
+    trainer = FunctionTrainer(torch.nn.Linear(2, 1), lambda m, s, seed: {"loss": 1.0})
+    with pytest.raises(ValueError, match="num_examples"):
+        trainer.train(np.zeros(3, np.float32), TaskSettings(), seed=0)
+
+
+def test_runtime_trains_until_stop_and_leaves() -> None:
+    trainer = linear_trainer()
+    core = core_for(trainer, mode="async", buffer_size=1, max_versions=3, min_clients=1)
+    p0 = core.params.copy()
+    rt = ClientRuntime(CoreTransport(core), trainer, client_id="c1", wait_s=0)
+    stats = rt.run()
+    assert stats.pushed == 3 and core.version == 3
+    assert core.active_client_ids() == []  # it left
+    np.testing.assert_allclose(core.params, p0 + 3.0, rtol=1e-6)  # each task adds 1
+
+
+def test_runtime_backs_off_on_unavailable() -> None:
+    trainer = linear_trainer()
+    core = core_for(trainer, mode="async", buffer_size=1, max_versions=2, min_clients=1)
+    transport = CoreTransport(core)
+    transport.failures = ["UNAVAILABLE", "UNAVAILABLE"]
+    pauses: list[float] = []
+    rt = ClientRuntime(transport, trainer, client_id="c1", wait_s=0, sleep=pauses.append,
+                       retry=RetryPolicy(initial_s=0.1, max_s=1.0, jitter=0.0))
+    stats = rt.run()
+    assert pauses == [0.1, 0.2] and stats.retries == 2
+    assert stats.pushed == 2 and core.version == 2
+
+
+def test_runtime_rejoins_when_its_session_is_lost_mid_task() -> None:
+    core_box: list[AggregatorCore] = []
+    rt_box: list[ClientRuntime] = []
+    model = torch.nn.Linear(2, 1)
+
+    def train(m, settings, seed):
+        if not rt_box[0].stats.rejoins:
+            core_box[0].leave(rt_box[0].session)  # as if the server had restarted
+        with torch.no_grad():
+            m.weight.add_(1.0)
+        return {"num_examples": 1}
+
+    trainer = FunctionTrainer(model, train)
+    core = core_for(trainer, mode="async", buffer_size=1, max_versions=2, min_clients=1)
+    core_box.append(core)
+    rt = ClientRuntime(CoreTransport(core), trainer, client_id="c1", wait_s=0)
+    rt_box.append(rt)
+    stats = rt.run()
+    assert stats.rejoins == 1 and stats.pushed == 2 and stats.refused == 0
+    assert core.version == 2 and core.traffic.updates == 2
+
+
+def test_runtime_gives_up_after_the_retry_budget() -> None:
+    trainer = linear_trainer()
+    core = core_for(trainer, mode="async", buffer_size=1, min_clients=1)
+    transport = CoreTransport(core)
+    transport.failures = ["UNAVAILABLE"] * 100
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    rt = ClientRuntime(transport, trainer, client_id="c1", sleep=sleep, clock=lambda: now[0],
+                       retry=RetryPolicy(initial_s=1, max_s=4, give_up_after_s=20))
+    with pytest.raises(RemoteError, match="UNAVAILABLE"):
+        rt.run()
+
+
+def test_refused_updates_are_counted_and_the_client_goes_on() -> None:
+    trainer = linear_trainer()
+    core = core_for(trainer, mode="async", buffer_size=1, max_versions=2, min_clients=1)
+    rt = ClientRuntime(CoreTransport(core), trainer, client_id="c1", wait_s=0,
+                       update_hook=lambda u: np.full_like(u, np.nan))
+    rt._call(rt._join)
+    rt.step(0, seed=1)
+    assert rt.stats.refused == 1 and rt.stats.refusals == ["INVALID_ARGUMENT"]
+    rt.update_hook = None
+    rt.step(0, seed=2)
+    assert rt.stats.pushed == 1 and core.version == 1
+
+
+def test_client_refuses_a_server_training_another_model() -> None:
+    trainer = linear_trainer()
+    other = FunctionTrainer(torch.nn.Linear(3, 1), lambda m, s, seed: {"num_examples": 1})
+    core = core_for(other, min_clients=1)
+    rt = ClientRuntime(CoreTransport(core), trainer, client_id="c1")
+    with pytest.raises(ValueError, match="model spec"):
+        rt.run()
+    assert isinstance(trainer.spec, ModelSpec)
