@@ -91,8 +91,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         metrics = srv.call(lambda: dict(core.last_metrics))
     summary = core.recorder.finish({"wall_s": time.monotonic() - t0, "clients_failed": failed})
     if not finished:
-        print(f"run did not finish: {'timeout' if time.monotonic() - t0 >= run.timeout_s else 'clients exited'}"
-              f" at version {metrics.get('version', 0)}", file=sys.stderr)
+        why = "timeout" if time.monotonic() - t0 >= run.timeout_s else "clients exited"
+        print(f"run did not finish ({why}) at version {metrics.get('version', 0)}",
+              file=sys.stderr)
     acc = summary.get("final_accuracy")
     print(f"final test accuracy {acc:.4f} after {summary['versions']} versions "
           f"({summary['updates']} updates, {summary['bytes_up'] / 1e6:.2f} MB up) "
@@ -250,6 +251,10 @@ def cmd_server(args: argparse.Namespace) -> int:
 async def _serve(server_cfg: Any, task: Any, args: argparse.Namespace) -> int:
     from murmura.server import AggregatorServer, build_core
 
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the address is announced
+        loop.add_signal_handler(sig, stop.set)
     out = Path(args.out)
     resume = args.resume
     if resume == "auto":
@@ -259,10 +264,6 @@ async def _serve(server_cfg: Any, task: Any, args: argparse.Namespace) -> int:
     srv = AggregatorServer(core)
     await srv.start()
     print(f"murmura server listening on {srv.address}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     done = asyncio.ensure_future(srv.wait_done())
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({done, stopped}, return_when=asyncio.FIRST_COMPLETED)

@@ -55,10 +55,10 @@ class Policy(ABC):
                staleness: int) -> None:
         """Take a validated update in; raise a ServiceError (changing nothing) to refuse."""
 
-    def on_leave(self, rec: ClientRecord) -> None:
+    def on_leave(self, rec: ClientRecord) -> None:  # noqa: B027 - optional hook
         """A client left or was dropped."""
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float) -> None:  # noqa: B027 - optional hook
         """Called periodically with the core's clock: enforce deadlines."""
 
     def buffered(self) -> int:

@@ -1,6 +1,7 @@
 """Update codecs: the registry and every built-in encoding (importing registers them)."""
 
-from murmura.protocols.codecs import dense  # noqa: F401  (registers dense-f32, dense-f16)
+# Importing a codec module registers its codecs.
+from murmura.protocols.codecs import dense, proj, quant, seed, sign, topk  # noqa: F401
 from murmura.protocols.codecs.base import (
     Codec,
     CodecError,

@@ -5,8 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from murmura.protocols import Action, DeviceProfile, ModelSpec, TaskSettings, TensorSpec
-from murmura.protocols import UpdateHeader
+from murmura.protocols import (
+    Action,
+    DeviceProfile,
+    ModelSpec,
+    TaskSettings,
+    TensorSpec,
+    UpdateHeader,
+)
 from murmura.server import (
     AggregatorCore,
     Checkpoint,
@@ -82,7 +88,7 @@ def test_sync_fold_order_does_not_depend_on_arrival_order(rng) -> None:
     results = []
     for order in ("abcde", "edcba", "cadbe"):
         core = make_core(min_clients=5)
-        sessions = dict(zip("abcde", joined(core, *"abcde")))
+        sessions = dict(zip("abcde", joined(core, *"abcde"), strict=False))
         for c in "abcde":
             core.task(sessions[c])
         for c in order:

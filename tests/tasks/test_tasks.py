@@ -26,7 +26,7 @@ def test_partitions_cover_every_example_once_and_repeat_with_the_seed(scheme) ->
     assert len(parts) == 10 and all(len(p) > 0 for p in parts)
     assert np.array_equal(np.sort(joined), np.arange(len(LABELS)))
     again = partition(LABELS, 10, scheme=scheme, seed=3)
-    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=False))
 
 
 def test_dirichlet_skew_grows_as_alpha_shrinks() -> None:
@@ -70,7 +70,7 @@ def test_task_builds_models_and_client_shares() -> None:
     share = task.client_data(2, 5)
     assert 0 < len(share) < len(task.train)
     a, b = task.build_model(seed=1), task.build_model(seed=1)
-    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=False))
     metrics = evaluate(a, task.test)
     assert 0 <= metrics["accuracy"] <= 1 and metrics["loss"] > 0
     with pytest.raises(ValueError, match="client index"):
