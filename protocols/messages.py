@@ -37,8 +37,11 @@ class TaskSettings:
     codec: str = "dense-f32"
     codec_options: dict[str, str] = field(default_factory=dict)
     seed: int = 0
+    zo_eps: float = 1e-3
 
     def __post_init__(self) -> None:
+        if not self.zo_eps > 0:
+            raise ValueError(f"zo_eps must be positive, got {self.zo_eps}")
         if self.trainer not in ("sgd", "zo"):
             raise ValueError(f"trainer must be 'sgd' or 'zo', got {self.trainer!r}")
         if self.local_epochs < 0 or self.local_steps < 0:

@@ -47,14 +47,16 @@ def settings_to_proto(s: TaskSettings) -> pb.TaskSettings:
     return pb.TaskSettings(trainer=s.trainer, local_epochs=s.local_epochs,
                            local_steps=s.local_steps, batch_size=s.batch_size, lr=s.lr,
                            momentum=s.momentum, codec=s.codec,
-                           codec_options=dict(s.codec_options), seed=s.seed)
+                           codec_options=dict(s.codec_options), seed=s.seed,
+                           zo_eps=s.zo_eps)
 
 
 def settings_from_proto(m: pb.TaskSettings) -> TaskSettings:
     return TaskSettings(trainer=m.trainer, local_epochs=m.local_epochs,
                         local_steps=m.local_steps, batch_size=m.batch_size, lr=m.lr,
                         momentum=m.momentum, codec=m.codec,
-                        codec_options=dict(m.codec_options), seed=m.seed)
+                        codec_options=dict(m.codec_options), seed=m.seed,
+                        zo_eps=m.zo_eps or 1e-3)
 
 
 def task_to_proto(t: Task) -> pb.TaskReply:

@@ -92,7 +92,7 @@ class ModelSpec:
         """Copy the module's floating state into a new float32 vector (CPU)."""
         out = np.empty(self.size, dtype=np.float32)
         state = dict(_float_state(module))
-        for t, off in zip(self.tensors, self.offsets()):
+        for t, off in zip(self.tensors, self.offsets(), strict=False):
             value = state.get(t.name)
             if value is None or tuple(value.shape) != t.shape:
                 raise ValueError(f"module does not match spec at tensor {t.name!r}")
@@ -105,7 +105,7 @@ class ModelSpec:
         state = dict(_float_state(module))
         flat = torch.from_numpy(np.ascontiguousarray(vector, dtype=np.float32))
         with torch.no_grad():
-            for t, off in zip(self.tensors, self.offsets()):
+            for t, off in zip(self.tensors, self.offsets(), strict=False):
                 target = state[t.name]
                 target.copy_(flat[off : off + t.numel].view(t.shape))
 
@@ -114,7 +114,7 @@ class ModelSpec:
         self.check_vector(vector)
         return {
             t.name: vector[off : off + t.numel].reshape(t.shape)
-            for t, off in zip(self.tensors, self.offsets())
+            for t, off in zip(self.tensors, self.offsets(), strict=False)
         }
 
     def check_vector(self, vector: FlatVector) -> None:
