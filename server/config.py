@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from murmura.aggregation import available_optimizers
+from murmura.aggregation import available_aggregators, available_optimizers
 from murmura.protocols import TaskSettings
 
 MODES = ("sync", "async")
@@ -33,7 +33,7 @@ class ServerConfig:
     staleness: str = "polynomial"
     staleness_exponent: float = 0.5
     # aggregation
-    aggregator: str = "fedavg"     # "--defense": any registered aggregation rule
+    defense: str = "fedavg"        # aggregation rule: fedavg (none) or a robust rule
     optimizer: str = "fedavg"
     server_lr: float = 1.0
     # limits and identity
@@ -65,6 +65,9 @@ class ServerConfig:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.staleness not in STALENESS:
             raise ValueError(f"staleness must be one of {STALENESS}, got {self.staleness!r}")
+        if self.defense not in available_aggregators():
+            raise ValueError(f"unknown defense {self.defense!r}; "
+                             f"available: {', '.join(available_aggregators())}")
         if self.optimizer not in available_optimizers():
             raise ValueError(f"unknown optimizer {self.optimizer!r}; "
                              f"available: {', '.join(available_optimizers())}")
