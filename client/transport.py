@@ -20,10 +20,10 @@ from murmura.protocols import (
     PushResult,
     Task,
     UpdateHeader,
+    serde,
 )
 from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols import murmura_pb2_grpc as pb_grpc
-from murmura.protocols import serde
 
 #: Statuses worth retrying after a pause: the server is away, overloaded or restarting.
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED"})
@@ -81,6 +81,14 @@ class GrpcTransport(Transport):
             ("grpc.max_send_message_length", 4 * chunk_bytes + (1 << 16)),
         ])
         self._stub = pb_grpc.AggregatorStub(self._channel)
+        # Push and Pull frame payload chunks without protobuf copies (serde.frame_data); the
+        # bytes on the wire are exactly the proto's.
+        self._push = self._channel.stream_unary(
+            "/murmura.v1.Aggregator/Push", request_serializer=serde.serialize_update_item,
+            response_deserializer=pb.PushReply.FromString)
+        self._pull = self._channel.unary_stream(
+            "/murmura.v1.Aggregator/Pull", request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=serde.deserialize_model_item)
         self._bytes_up = 0
 
     @staticmethod
@@ -109,37 +117,44 @@ class GrpcTransport(Transport):
 
     def pull(self, session: str) -> tuple[int, FlatVector]:
         try:
-            stream = self._stub.Pull(pb.PullRequest(session=session), timeout=self.timeout_s)
+            stream = self._pull(pb.PullRequest(session=session), timeout=self.timeout_s)
             header = None
-            buf = bytearray()
+            parts: list[memoryview] = []
             received = 0
-            for chunk in stream:
-                if chunk.WhichOneof("kind") == "header":
-                    header = chunk.header
-                    buf = bytearray(header.payload_bytes)
-                else:
-                    if header is None:
-                        raise RemoteError("DATA_LOSS", "model stream began without a header")
-                    end = received + len(chunk.data)
-                    if end > len(buf):
-                        raise RemoteError("DATA_LOSS", "model stream is longer than announced")
-                    buf[received:end] = chunk.data
-                    received = end
+            for item in stream:
+                if not isinstance(item, memoryview) and item.WhichOneof("kind") == "header":
+                    header = item.header
+                    continue
+                if header is None:
+                    raise RemoteError("DATA_LOSS", "model stream began without a header")
+                data = item if isinstance(item, memoryview) else memoryview(item.data)
+                received += len(data)
+                if received > header.payload_bytes:
+                    raise RemoteError("DATA_LOSS", "model stream is longer than announced")
+                parts.append(data)
         except grpc.RpcError as exc:
             raise self._wrap(exc) from None
         if header is None or received != header.payload_bytes:
             raise RemoteError("DATA_LOSS", "model stream ended early")
         if header.codec != "dense-f32":
             raise RemoteError("UNIMPLEMENTED", f"model arrived in codec {header.codec!r}")
-        return header.version, np.frombuffer(buf, dtype="<f4").astype(np.float32, copy=False)
+        if received % 4:
+            raise RemoteError("DATA_LOSS", f"a dense-f32 model of {received} bytes")
+        out = np.empty(received // 4, dtype="<f4")  # writable, assembled with one copy
+        view, pos = memoryview(out).cast("B"), 0
+        for part in parts:
+            view[pos:pos + len(part)] = part
+            pos += len(part)
+        return header.version, out.astype(np.float32, copy=False)
 
     def push(self, header: UpdateHeader, payload: bytes) -> PushResult:
-        chunks = list(serde.iter_update_chunks(header, payload, self.chunk_bytes))
+        items = list(serde.iter_update_items(header, payload, self.chunk_bytes))
         try:
-            reply = self._stub.Push(iter(chunks), timeout=self.timeout_s)
+            reply = self._push(iter(items), timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise self._wrap(exc) from None
-        self._bytes_up += sum(c.ByteSize() for c in chunks)
+        self._bytes_up += items[0].ByteSize() + sum(
+            serde.data_chunk_wire_bytes(len(c)) for c in items[1:])
         return serde.push_result_from_proto(reply)
 
     def leave(self, session: str) -> None:

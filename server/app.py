@@ -12,12 +12,11 @@ from typing import Any
 import grpc
 
 from murmura.protocols import ModelSpec
-from murmura.protocols import murmura_pb2_grpc as pb_grpc
 from murmura.server.checkpoint import load_checkpoint
 from murmura.server.config import ServerConfig
 from murmura.server.core import AggregatorCore, evaluator_for
 from murmura.server.outputs import RunRecorder
-from murmura.server.service import MAX_MESSAGE_BYTES, AggregatorServicer
+from murmura.server.service import MAX_MESSAGE_BYTES, AggregatorServicer, add_servicer
 from murmura.tasks import TaskConfig, load_task
 
 log = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ class AggregatorServer:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ])
-        pb_grpc.add_AggregatorServicer_to_server(AggregatorServicer(self.core), server)
+        add_servicer(AggregatorServicer(self.core), server)
         self.port = server.add_insecure_port(self.requested_address)
         if self.port == 0:
             raise OSError(f"could not bind {self.requested_address}")

@@ -74,39 +74,41 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 pass
 
     async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext
-                   ) -> AsyncIterator[pb.ModelChunk]:
+                   ) -> AsyncIterator[pb.ModelChunk | memoryview]:
         try:
             version, params = self.core.model(request.session)
         except ServiceError as exc:
             await self._abort(context, exc)
         payload = memoryview(params).cast("B")  # published vectors are never modified
-        for chunk in serde.iter_model_chunks(version, self.core.spec, "dense-f32", payload,
-                                             self.chunk_bytes):
-            self.core.add_download(chunk.ByteSize())
-            yield chunk
+        for item in serde.iter_model_items(version, self.core.spec, "dense-f32", payload,
+                                           self.chunk_bytes):
+            self.core.add_download(serde.data_chunk_wire_bytes(len(item))
+                                   if isinstance(item, memoryview) else item.ByteSize())
+            yield item
 
-    async def Push(self, request_iterator: AsyncIterator[pb.UpdateChunk],
+    async def Push(self, request_iterator: AsyncIterator[pb.UpdateChunk | memoryview],
                    context: grpc.aio.ServicerContext) -> pb.PushReply:
         header = None
-        buf = bytearray()
+        parts: list[memoryview] = []
         received = wire = 0
         try:
-            async for chunk in request_iterator:
-                wire += chunk.ByteSize()
-                kind = chunk.WhichOneof("kind")
+            async for item in request_iterator:
+                # Payload chunks arrive as zero-copy views (serde.deserialize_update_item).
+                kind = "data" if isinstance(item, memoryview) else item.WhichOneof("kind")
                 if header is None:
                     if kind != "header":
                         raise InvalidArgument("the first chunk of a push must be its header")
-                    header = serde.update_header_from_proto(chunk.header)
+                    wire += item.ByteSize()
+                    header = serde.update_header_from_proto(item.header)
                     self.core.precheck(header)  # refuse before receiving a payload
-                    buf = bytearray(header.payload_bytes)
                 elif kind == "data":
-                    end = received + len(chunk.data)
-                    if end > header.payload_bytes:
+                    data = item if isinstance(item, memoryview) else memoryview(item.data)
+                    received += len(data)
+                    wire += serde.data_chunk_wire_bytes(len(data))
+                    if received > header.payload_bytes:
                         raise InvalidArgument(f"more payload than the {header.payload_bytes} "
                                               f"bytes the header announced")
-                    buf[received:end] = chunk.data
-                    received = end
+                    parts.append(data)
                 else:
                     raise InvalidArgument("a push carries exactly one header chunk")
             if header is None:
@@ -114,7 +116,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             if received != header.payload_bytes:
                 raise InvalidArgument(f"header announced {header.payload_bytes} payload bytes, "
                                       f"the stream carried {received}")
-            result = self.core.push(header, memoryview(buf), wire_bytes=wire)
+            # One copy into a contiguous payload; a single chunk needs none.
+            payload = parts[0] if len(parts) == 1 else b"".join(parts)
+
+            parts.clear()
+            result = self.core.push(header, payload, wire_bytes=wire)
         except ServiceError as exc:
             log.info("push refused: %s %s", exc.status, exc.message)
             await self._abort(context, exc)
@@ -127,3 +133,29 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         except ServiceError as exc:
             await self._abort(context, exc)
         return pb.LeaveReply()
+
+
+SERVICE = "murmura.v1.Aggregator"
+
+
+def add_servicer(servicer: AggregatorServicer, server: grpc.aio.Server) -> None:
+    """Register the servicer like the generated ``add_AggregatorServicer_to_server``, except
+    that Push and Pull frame payload chunks themselves (see ``serde.frame_data``)."""
+    handlers = {
+        "Join": grpc.unary_unary_rpc_method_handler(
+            servicer.Join, request_deserializer=pb.JoinRequest.FromString,
+            response_serializer=pb.JoinReply.SerializeToString),
+        "GetTask": grpc.unary_unary_rpc_method_handler(
+            servicer.GetTask, request_deserializer=pb.TaskRequest.FromString,
+            response_serializer=pb.TaskReply.SerializeToString),
+        "Pull": grpc.unary_stream_rpc_method_handler(
+            servicer.Pull, request_deserializer=pb.PullRequest.FromString,
+            response_serializer=serde.serialize_model_item),
+        "Push": grpc.stream_unary_rpc_method_handler(
+            servicer.Push, request_deserializer=serde.deserialize_update_item,
+            response_serializer=pb.PushReply.SerializeToString),
+        "Leave": grpc.unary_unary_rpc_method_handler(
+            servicer.Leave, request_deserializer=pb.LeaveRequest.FromString,
+            response_serializer=pb.LeaveReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -133,6 +133,23 @@ def test_malformed_streams_are_refused(serve) -> None:
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_plain_generated_stub_interoperates(serve) -> None:
+    """Push/Pull frame chunks by hand on our side; a stock protobuf client must not notice."""
+    srv = serve(small_core(min_clients=1, mode="async", buffer_size=1))
+    with grpc.insecure_channel(srv.address) as ch:
+        stub = pb_grpc.AggregatorStub(ch)
+        join = stub.Join(pb.JoinRequest(client_id="stock"), timeout=5, wait_for_ready=True)
+        payload = np.full(4, 3.0, "<f4").tobytes()
+        chunks = [pb.UpdateChunk(header=pb.UpdateHeader(
+            session=join.session, update_id="x", num_examples=1, codec="dense-f32",
+            payload_bytes=len(payload))), pb.UpdateChunk(data=payload[:6]),
+            pb.UpdateChunk(data=payload[6:])]
+        assert stub.Push(iter(chunks), timeout=5).version == 1
+        model = list(stub.Pull(pb.PullRequest(session=join.session), timeout=5))
+    assert model[0].header.version == 1
+    assert np.frombuffer(b"".join(c.data for c in model[1:]), "<f4").tolist() == [3.0] * 4
+
+
 def test_a_retried_push_with_the_same_id_counts_once(serve) -> None:
     core = small_core(min_clients=1, mode="async", buffer_size=2)
     srv = serve(core)

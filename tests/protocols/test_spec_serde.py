@@ -16,9 +16,9 @@ from murmura.protocols import (
     TaskSettings,
     TensorSpec,
     UpdateHeader,
+    serde,
 )
 from murmura.protocols import murmura_pb2 as pb
-from murmura.protocols import serde
 
 
 def test_flatten_and_load_round_trip_including_buffers(tiny_model) -> None:
@@ -94,3 +94,23 @@ def test_task_settings_validate() -> None:
         TaskSettings(lr=0)
     with pytest.raises(ValueError, match="local_epochs or local_steps"):
         TaskSettings(local_epochs=0, local_steps=0)
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 70_000, 1 << 20])
+def test_data_chunk_framing_is_byte_identical_to_the_proto(n) -> None:
+    data = (bytes(range(256)) * (n // 256 + 1))[:n]
+    raw = serde.serialize_update_item(memoryview(data))
+    assert raw == pb.UpdateChunk(data=data).SerializeToString()
+    assert raw == serde.serialize_model_item(data) == pb.ModelChunk(data=data).SerializeToString()
+    assert serde.data_chunk_wire_bytes(n) == len(raw)
+    view = serde.deserialize_update_item(raw)
+    assert isinstance(view, memoryview) and bytes(view) == data
+
+
+def test_non_data_chunks_are_parsed_as_messages() -> None:
+    header = pb.UpdateChunk(header=pb.UpdateHeader(session="s", update_id="u"))
+    parsed = serde.deserialize_update_item(header.SerializeToString())
+    assert isinstance(parsed, pb.UpdateChunk) and parsed.header.update_id == "u"
+    # a data chunk followed by another field is not a bare frame: parsed, not sliced
+    odd = pb.UpdateChunk(data=b"abc").SerializeToString() + b"\x0a\x00"
+    assert isinstance(serde.deserialize_update_item(odd), pb.UpdateChunk)
