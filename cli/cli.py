@@ -290,14 +290,15 @@ def run_client(cfg: Any, task_cfg: Any) -> Any:
     """Join ``cfg.server`` and train the bundled task's share ``cfg.client_index``."""
     import torch
 
-    from murmura.client import ClientRuntime, GrpcTransport, RetryPolicy, TorchTrainer
+    from murmura.client import ClientRuntime, GrpcTransport, RetryPolicy, make_trainer
     from murmura.edge import device_profile
     from murmura.tasks import load_task
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     task = load_task(task_cfg)
-    trainer = TorchTrainer(task.build_model(), task.client_data(cfg.client_index, cfg.num_clients),
+    # The server's settings (sent at join) choose first-order or zeroth-order training per task.
+    trainer = make_trainer(task.build_model(), task.client_data(cfg.client_index, cfg.num_clients),
                            device=cfg.device)
     transport = GrpcTransport(cfg.server)
     try:

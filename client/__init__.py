@@ -4,6 +4,7 @@ from murmura.client.config import ClientConfig
 from murmura.client.runtime import ClientRuntime, ClientStats, RetryPolicy
 from murmura.client.trainer import FunctionTrainer, TorchTrainer, Trainer, TrainResult, delta_of
 from murmura.client.transport import GrpcTransport, RemoteError, Transport
+from murmura.client.zo import SettingsTrainer, ZOTrainer, make_trainer
 
 __all__ = [
     "ClientConfig",
@@ -16,6 +17,9 @@ __all__ = [
     "TorchTrainer",
     "TrainResult",
     "Trainer",
+    "SettingsTrainer",
     "Transport",
+    "ZOTrainer",
     "delta_of",
+    "make_trainer",
 ]

@@ -17,6 +17,8 @@ from typing import TypeVar
 
 import numpy as np
 
+from murmura.client.trainer import Trainer, delta_of
+from murmura.client.transport import RemoteError, Transport
 from murmura.protocols import (
     Action,
     DeviceProfile,
@@ -27,8 +29,6 @@ from murmura.protocols import (
     UpdateHeader,
     create_codec,
 )
-from murmura.client.trainer import Trainer, delta_of
-from murmura.client.transport import RemoteError, Transport
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -44,6 +44,8 @@ class TaskSettings:
             raise ValueError(f"zo_eps must be positive, got {self.zo_eps}")
         if self.trainer not in ("sgd", "zo"):
             raise ValueError(f"trainer must be 'sgd' or 'zo', got {self.trainer!r}")
+        if self.codec == "seed" and self.trainer != "zo":
+            raise ValueError("codec 'seed' carries zeroth-order steps: use it with trainer='zo'")
         if self.local_epochs < 0 or self.local_steps < 0:
             raise ValueError("local_epochs and local_steps must be >= 0")
         if self.local_epochs == 0 and self.local_steps == 0:

@@ -33,7 +33,7 @@ def evaluate(model: nn.Module, data: ArrayDataset, *, batch_size: int = 1024) ->
     return {"accuracy": correct / n, "loss": loss_sum / n}
 
 
-def seeded_init(factory: "type[nn.Module] | object", seed: int) -> nn.Module:
+def seeded_init(factory: type[nn.Module] | object, seed: int) -> nn.Module:
     """Build a model with torch's RNG seeded, leaving the global RNG state as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

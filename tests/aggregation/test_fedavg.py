@@ -59,7 +59,7 @@ def test_equal_weights_give_the_mean(data) -> None:
 def test_weighted_mean_matches_the_formula(rng) -> None:
     vecs = [rng.normal(size=100).astype(np.float32) for _ in range(4)]
     ws = [1.0, 2.0, 3.0, 10.0]
-    expected = sum(w * v.astype(np.float64) for w, v in zip(ws, vecs)) / sum(ws)
+    expected = sum(w * v.astype(np.float64) for w, v in zip(ws, vecs, strict=False)) / sum(ws)
     np.testing.assert_allclose(weighted_mean(vecs, ws), expected, rtol=1e-6, atol=1e-6)
 
 
@@ -115,7 +115,7 @@ def test_registry_fails_loudly() -> None:
 def test_staleness_functions_start_at_one_and_never_increase(fn) -> None:
     values = [fn(t) for t in range(50)]
     assert values[0] == 1.0
-    assert all(b <= a for a, b in zip(values, values[1:]))
+    assert all(b <= a for a, b in zip(values, values[1:], strict=False))
     assert all(v > 0 for v in values)
 
 
@@ -137,7 +137,7 @@ def test_zero_staleness_fedbuff_with_k_equal_cohort_is_a_fedavg_round(data) -> N
     ups, ws = data
     vecs = [np.asarray(u, dtype=np.float32) for u in ups]
     buf = FedBuff(5, buffer_size=len(vecs), max_staleness=3)
-    full = [buf.add(v, w, 0) for v, w in zip(vecs, ws)]
+    full = [buf.add(v, w, 0) for v, w in zip(vecs, ws, strict=False)]
     assert full == [False] * (len(vecs) - 1) + [True]
     np.testing.assert_array_equal(buf.flush(), weighted_mean(vecs, ws))
     assert buf.count == 0

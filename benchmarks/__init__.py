@@ -1,0 +1,1 @@
+"""Murmura benchmarks: run ``python benchmarks/<name>.py [--quick]``; not part of the package."""

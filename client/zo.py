@@ -1,0 +1,284 @@
+"""Seed-based zeroth-order local training (MeZO steps sent as FedKSeed-style step logs).
+
+Implementation based on MeZO, Malladi et al., "Fine-Tuning Language Models with Just Forward
+Passes", https://arxiv.org/abs/2305.17333, and FedKSeed, Qin et al., "Federated Full-Parameter
+Tuning of Billion-Sized Language Models with Communication Cost under 18 Kilobytes",
+https://arxiv.org/abs/2312.06353.
+
+Each local step draws a seed, measures the loss of one batch at ``theta + eps z`` and
+``theta - eps z`` (``z`` the seed's Rademacher direction, forward passes only, no autograd
+graph) and takes ``theta <- theta - lr * g * z`` with the projected gradient
+``g = (L+ - L-) / (2 eps)``. The update that goes to the server is the list of ``(seed, g)``
+pairs (codec ``seed``), a few bytes per step whatever the model size; the server replays it on
+the version the client started from.
+
+Memory. The module's floating state is re-pointed at one flat float32 vector ``theta`` (one copy
+of the model, as for inference), and the perturbations are applied to ``theta`` in place, as
+MeZO does: ``+eps z``, ``-2 eps z``, ``+eps z``. Apart from the activations of one forward pass
+(freed before the next), the only temporaries are one block of ``z`` (1 MiB). Exactness. In
+floating point ``theta + eps z - 2 eps z + eps z`` is not ``theta``: the in-place perturbation
+leaves rounding drift of an ulp or so per coordinate and step. It only affects where ``g`` is
+measured; the committed steps are the recorded ``(seed, g_wire)`` pairs, and at the end of a
+task the trainer rebuilds ``theta`` from the starting vector by replaying them with the
+codec's own arithmetic. The client's model is then the server's replay, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from murmura.client.trainer import LossFn, TorchTrainer, Trainer, TrainResult
+from murmura.edge import resolve_device
+from murmura.protocols import FlatVector, ModelSpec, TaskSettings, create_codec, prng
+from murmura.protocols.codecs.seed import APPLY_BLOCK, SeedCodec, apply_step, apply_steps
+from murmura.tasks import ArrayDataset
+
+log = logging.getLogger(__name__)
+
+#: The codec a zeroth-order update always travels in.
+SEED_CODEC = "seed"
+
+
+def seed_codec_for(settings: TaskSettings) -> SeedCodec:
+    """The ``seed`` codec exactly as the server will build it to decode this client's pushes.
+
+    The server applies ``settings.codec_options`` only to pushes whose codec is
+    ``settings.codec``. So when the server's codec is ``seed`` its options are used; otherwise
+    (a misconfiguration: ``trainer = "zo"`` with, say, ``codec = "int8"``) the update still goes
+    out as ``seed`` with default options, which is what the server decodes it with.
+    """
+    options = settings.codec_options if settings.codec == SEED_CODEC else {}
+    codec = create_codec(SEED_CODEC, options)
+    assert isinstance(codec, SeedCodec)
+    return codec
+
+
+def bind_flat(module: nn.Module, spec: ModelSpec, device: torch.device) -> torch.Tensor:
+    """Re-point every floating tensor of ``module`` at a slice of one new flat float32 vector.
+
+    Returns the vector. Afterwards writing into it changes the module, with no extra copy of the
+    model kept. The old storage is freed tensor by tensor as it is replaced. Tied tensors (two
+    spec entries sharing storage) and non-float32 tensors are refused, since a flat float32 view
+    cannot represent them.
+    """
+    state = module.state_dict(keep_vars=True)
+    seen: dict[int, str] = {}
+    for t in spec.tensors:
+        value = state[t.name]
+        if value.dtype != torch.float32:
+            raise ValueError(f"zeroth-order training needs float32 tensors; {t.name!r} is "
+                             f"{value.dtype}")
+        ptr = value.data_ptr()
+        if value.numel() and ptr in seen:
+            raise ValueError(f"tensors {seen[ptr]!r} and {t.name!r} share storage (tied "
+                             "weights); zeroth-order training does not support that")
+        seen[ptr] = t.name
+    theta = torch.empty(spec.size, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for t, off in zip(spec.tensors, spec.offsets(), strict=True):
+            view = theta[off : off + t.numel].view(t.shape)
+            value = state[t.name]
+            view.copy_(value.detach())
+            owner_name, _, attr = t.name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            if isinstance(value, nn.Parameter):
+                value.data = view
+            else:
+                owner._buffers[attr] = view
+    return theta
+
+
+def _batches(data: Any, batch_size: int, gen: torch.Generator) -> Iterator[Any]:
+    if callable(data) and not isinstance(data, ArrayDataset):
+        data = data()
+    if isinstance(data, ArrayDataset):
+        perm = torch.randperm(len(data), generator=gen).numpy()
+        x, y = torch.from_numpy(data.x[perm]), torch.from_numpy(data.y[perm])
+        for s in range(0, len(data), batch_size):
+            yield x[s : s + batch_size], y[s : s + batch_size]
+    else:
+        yield from data
+
+
+def _perturber(theta: torch.Tensor, seed: int) -> Callable[[float], None]:
+    """``perturb(c)`` adds ``c * z(seed)`` to theta in place.
+
+    A model no larger than one block keeps its ``z`` for the three perturbations of a step
+    (no bigger than the block ``apply_step`` would allocate anyway); a larger one regenerates
+    ``z`` block by block each time, so no model-sized temporary ever exists.
+    """
+    if theta.numel() > APPLY_BLOCK:
+        return lambda coeff: apply_step(theta, seed, coeff)
+    z = prng.rademacher(seed, theta.numel(), device=theta.device)
+
+    def perturb(coeff: float) -> None:
+        theta.add_(z, alpha=coeff)
+
+    return perturb
+
+
+class ZOTrainer(Trainer):
+    """Zeroth-order local training that sends ``(seed, g)`` step logs instead of the model.
+
+    Takes the same ``model``, ``data``, ``loss_fn``, ``device`` and ``num_examples`` as
+    :class:`~murmura.client.TorchTrainer`. Uses ``settings.lr``, ``settings.zo_eps``,
+    ``settings.batch_size`` and ``settings.local_steps`` (or ``local_epochs`` passes over the
+    data when ``local_steps`` is 0); momentum and weight decay do not exist in a step log.
+
+    The loss is measured with the module in ``eval()`` mode, so a forward pass is a pure
+    function of ``theta`` (no dropout mask, no BatchNorm statistics update). BatchNorm running
+    statistics are part of the flat vector and are moved by the steps like any other value.
+
+    ``train`` returns ``encoded = ("seed", payload)`` and, if ``return_params`` (default), a
+    copy of the new model; the client runtime only needs the payload, so pass
+    ``return_params=False`` there to keep the peak at one copy of the model.
+    The construction re-points ``model``'s tensors at one flat vector (see :func:`bind_flat`).
+    """
+
+    def __init__(self, model: nn.Module, data: ArrayDataset | Iterable[Any] | Callable[[], Any],
+                 *, loss_fn: LossFn = nn.functional.cross_entropy, device: str = "auto",
+                 num_examples: int | None = None, return_params: bool = True) -> None:
+        self.device = resolve_device(device)
+        self.model = model.to(self.device)
+        self.spec = ModelSpec.from_module(self.model)
+        self.theta = bind_flat(self.model, self.spec, self.device)
+        self.data = data
+        self.loss_fn = loss_fn
+        self.return_params = return_params
+        self._num_examples = num_examples
+        self._warned_codec = False
+
+    def num_examples(self) -> int:
+        if self._num_examples is not None:
+            return self._num_examples
+        if isinstance(self.data, ArrayDataset):
+            return len(self.data)
+        try:
+            return len(self.data.dataset)  # type: ignore[union-attr]
+        except (AttributeError, TypeError):
+            raise ValueError("pass num_examples= for data whose size is unknown") from None
+
+    def planned_steps(self, settings: TaskSettings) -> int | None:
+        """Steps one task takes, when known in advance (local_steps, or epochs of arrays)."""
+        if settings.local_steps:
+            return settings.local_steps
+        if isinstance(self.data, ArrayDataset):
+            return settings.local_epochs * math.ceil(len(self.data) / settings.batch_size)
+        return None
+
+    def _codec(self, settings: TaskSettings) -> SeedCodec:
+        if settings.codec != SEED_CODEC and not self._warned_codec:
+            log.warning("trainer 'zo' with codec %r: sending seed-based updates (codec 'seed', "
+                        "default options) instead", settings.codec)
+            self._warned_codec = True
+        codec = seed_codec_for(settings)
+        planned = self.planned_steps(settings)
+        if planned is not None and planned > codec.max_steps:
+            raise ValueError(f"{planned} zeroth-order steps per task exceed the seed codec's "
+                             f"max_steps={codec.max_steps}; lower local_steps/local_epochs or "
+                             "raise codec option max_steps on the server")
+        return codec
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        return float(self.loss_fn(self.model(x), y))
+
+    def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
+        self.spec.check_vector(params)
+        codec = self._codec(settings)
+        encoder = codec.encoder(self.spec.size, seed=seed)
+        gen = torch.Generator().manual_seed(seed % (2**63))
+        theta = self.theta
+        start = torch.from_numpy(np.ascontiguousarray(params, dtype=np.float32))
+        theta.copy_(start)
+        eps = float(np.float32(settings.zo_eps))
+        self.model.eval()
+        limit = settings.local_steps or None
+        epochs = settings.local_epochs if not limit else 10**9
+        steps = skipped = 0
+        loss_sum = g_abs = 0.0
+        with torch.no_grad():
+            for _ in range(epochs):
+                before = steps
+                for x, y in _batches(self.data, settings.batch_size, gen):
+                    x, y = x.to(self.device), y.to(self.device)
+                    step_seed = encoder.next_seed()
+                    perturb = _perturber(theta, step_seed)
+                    perturb(eps)                    # theta + eps z
+                    plus = self._loss(x, y)
+                    perturb(-2 * eps)               # theta - eps z
+                    minus = self._loss(x, y)
+                    perturb(eps)                    # back to theta, up to rounding
+                    g = (plus - minus) / (2 * eps)
+                    steps += 1
+                    if math.isfinite(g):
+                        encoder.step(theta, seed=step_seed, g=g, lr=settings.lr)
+                        loss_sum += 0.5 * (plus + minus)
+                        g_abs += abs(g)
+                    else:
+                        skipped += 1
+                    if limit and steps >= limit:
+                        break
+                if (limit and steps >= limit) or steps == before:  # done, or no data at all
+                    break
+        if steps == 0:
+            raise ValueError("the local data yielded no batch")
+        log_ = encoder.steps()
+        # The exact model: the starting vector plus the recorded steps, as the server replays it.
+        theta.copy_(start)
+        apply_steps(theta, log_.seeds, log_.coefficients)
+        clipped = encoder.clipped
+        payload = encoder.encode(np.broadcast_to(np.float32(0), (self.spec.size,)))
+        kept = steps - skipped
+        metrics = {"train_loss": loss_sum / max(kept, 1), "steps": float(steps),
+                   "zo_g_abs": g_abs / max(kept, 1)}
+        # Metrics travel in the update header: only report the exceptional ones when they occur.
+        if skipped:
+            metrics["zo_skipped"] = float(skipped)
+        if clipped:
+            metrics["zo_clipped"] = float(clipped)
+        new = theta.detach().to("cpu", copy=True).numpy() if self.return_params else None
+        return TrainResult(new, self.num_examples(), metrics, encoded=(SEED_CODEC, payload))
+
+
+class SettingsTrainer(Trainer):
+    """First-order SGD or seed-based zeroth-order training, as ``settings.trainer`` says.
+
+    The client learns the server's settings only when it joins, so a client built before that
+    holds both trainers over one module and one data share and picks per task:
+    ``"sgd"`` → :class:`~murmura.client.TorchTrainer`, ``"zo"`` → :class:`ZOTrainer`.
+    """
+
+    def __init__(self, model: nn.Module, data: ArrayDataset | Iterable[Any] | Callable[[], Any],
+                 *, loss_fn: LossFn = nn.functional.cross_entropy, device: str = "auto",
+                 num_examples: int | None = None) -> None:
+        self.zeroth_order = ZOTrainer(model, data, loss_fn=loss_fn, device=device,
+                                      num_examples=num_examples, return_params=False)
+        self.first_order = TorchTrainer(self.zeroth_order.model, data, loss_fn=loss_fn,
+                                        device=str(self.zeroth_order.device),
+                                        num_examples=num_examples)
+        self.model = self.zeroth_order.model
+        self.device = self.zeroth_order.device
+        self.spec = self.zeroth_order.spec
+
+    def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
+        chosen: Trainer = self.zeroth_order if settings.trainer == "zo" else self.first_order
+        return chosen.train(params, settings, seed=seed)
+
+
+def make_trainer(model: nn.Module, data: ArrayDataset | Iterable[Any] | Callable[[], Any], *,
+                 loss_fn: LossFn = nn.functional.cross_entropy, device: str = "auto",
+                 num_examples: int | None = None) -> SettingsTrainer:
+    """The trainer a client should run when it does not know the server's settings yet."""
+    return SettingsTrainer(model, data, loss_fn=loss_fn, device=device,
+                           num_examples=num_examples)
+
+
+__all__ = ["SEED_CODEC", "SettingsTrainer", "ZOTrainer", "bind_flat", "make_trainer",
+           "seed_codec_for"]

@@ -1,0 +1,237 @@
+"""Seed-based zeroth-order training: exact replay through the real core, learning, memory."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from murmura.client import ClientRuntime, RemoteError, TorchTrainer, Transport
+from murmura.client.zo import SettingsTrainer, ZOTrainer, bind_flat, make_trainer
+from murmura.protocols import ModelSpec, TaskSettings, create_codec
+from murmura.protocols.codecs.seed import SeedCodec, replay
+from murmura.server import AggregatorCore, ServerConfig, ServiceError
+from murmura.tasks import ArrayDataset, TaskConfig, evaluate, load_task
+
+
+class RecordingTransport(Transport):
+    """Calls an AggregatorCore directly and keeps every pushed (header, payload)."""
+
+    def __init__(self, core: AggregatorCore) -> None:
+        self.core = core
+        self.pushes: list[tuple[object, bytes]] = []
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except ServiceError as exc:
+            raise RemoteError(exc.status, exc.message) from None
+
+    def join(self, client_id, profile, token=""):
+        return self._call(self.core.join, client_id, profile), self.core.spec
+
+    def task(self, session, wait_s):
+        return self._call(self.core.task, session)
+
+    def pull(self, session):
+        version, params = self._call(self.core.model, session)
+        return version, params.copy()
+
+    def push(self, header, payload):
+        self.pushes.append((header, bytes(payload)))
+        return self._call(self.core.push, header, payload)
+
+    def leave(self, session):
+        self._call(self.core.leave, session)
+
+
+def sha256(vector: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(vector, dtype=np.float32).tobytes()).hexdigest()
+
+
+def zo_settings(**overrides: object) -> TaskSettings:
+    base = dict(trainer="zo", codec="seed", local_epochs=0, local_steps=40, batch_size=32,
+                lr=1e-3, zo_eps=1e-3)
+    base.update(overrides)
+    return TaskSettings(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Many tiny kernels: with more threads, OpenMP barriers dominate on a loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_task(TaskConfig(task="digits", model="mlp", partition="dirichlet", alpha=0.5))
+
+
+@pytest.mark.parametrize("options", [{}, {"dtype": "int8"}, {"seed_bits": "64"}])
+def test_server_replay_reproduces_the_client_model(digits, options: dict[str, str]) -> None:
+    # Prepare: one ZO client against the real core, which applies every update at once
+    settings = zo_settings(codec_options=options)
+    trainer = ZOTrainer(digits.build_model(seed=1), digits.client_data(0, 4), device="cpu")
+    start = trainer.spec.flatten(trainer.model)
+    core = AggregatorCore(ServerConfig(mode="async", buffer_size=1, min_clients=1,
+                                       max_versions=1, optimizer="fedavg", server_lr=1.0,
+                                       train=settings), trainer.spec, start)
+    transport = RecordingTransport(core)
+    runtime = ClientRuntime(transport, trainer, client_id="zo-client", wait_s=0)
+
+    # Execute
+    stats = runtime.run()
+
+    # Assert: the codec's replay of the wire payload is the client's model, bit for bit ...
+    assert stats.pushed == 1 and core.version == 1
+    (header, payload), = transport.pushes
+    assert header.codec == "seed" and header.payload_bytes == len(payload)
+    codec = create_codec("seed", options)
+    assert isinstance(codec, SeedCodec)
+    assert len(payload) == codec.payload_bytes(settings.local_steps)
+    client_model = trainer.spec.flatten(trainer.model)
+    assert sha256(replay(start, codec.unpack(payload))) == sha256(client_model)
+    assert sha256(client_model) != sha256(start)
+    # ... and the server's new global model is reference + (replay - reference) up to rounding
+    np.testing.assert_allclose(core.params, client_model, rtol=0, atol=1e-6)
+
+
+def test_zo_training_is_seeded_and_never_touches_its_input(digits) -> None:
+    trainer = ZOTrainer(digits.build_model(), digits.client_data(1, 4), device="cpu")
+    start = trainer.spec.flatten(trainer.model)
+    frozen = start.copy()
+    a = trainer.train(start, zo_settings(), seed=7)
+    b = trainer.train(start, zo_settings(), seed=7)
+    c = trainer.train(start, zo_settings(), seed=8)
+    assert a.encoded == b.encoded != c.encoded
+    assert a.params is not None and a.params.tobytes() == b.params.tobytes()
+    assert start.tobytes() == frozen.tobytes()
+    assert a.metrics["steps"] == 40 and "zo_skipped" not in a.metrics
+    assert a.num_examples == len(digits.client_data(1, 4))
+
+
+def test_zo_with_another_server_codec_sends_default_seed_updates(digits) -> None:
+    # The server decodes a 'seed' push with default options when its codec is something else.
+    settings = zo_settings(codec="int8", codec_options={"block": "64"})
+    trainer = ZOTrainer(digits.build_model(), digits.client_data(2, 4), device="cpu",
+                        return_params=False)
+    start = trainer.spec.flatten(trainer.model)
+    core = AggregatorCore(ServerConfig(mode="async", buffer_size=1, min_clients=1,
+                                       max_versions=1, train=settings), trainer.spec, start)
+    transport = RecordingTransport(core)
+    ClientRuntime(transport, trainer, client_id="c", wait_s=0).run()
+    (header, payload), = transport.pushes
+    assert header.codec == "seed" and core.version == 1
+    assert len(payload) == create_codec("seed").payload_bytes(settings.local_steps)
+    np.testing.assert_allclose(core.params, trainer.spec.flatten(trainer.model), atol=1e-6)
+
+
+def test_too_many_steps_for_the_codec_are_refused_before_training(digits) -> None:
+    trainer = ZOTrainer(digits.build_model(), digits.client_data(0, 4), device="cpu")
+    start = trainer.spec.flatten(trainer.model)
+    with pytest.raises(ValueError, match="max_steps"):
+        trainer.train(start, zo_settings(codec_options={"max_steps": "10"}), seed=0)
+
+
+def test_federated_zo_on_digits_beats_the_initial_model(digits) -> None:
+    # Prepare: four ZO clients, synchronous rounds over the real core
+    settings = zo_settings(local_steps=150, lr=8e-3)
+    model = digits.build_model(seed=0)
+    spec = ModelSpec.from_module(model)
+    start = spec.flatten(model)
+    before = evaluate(model, digits.test)
+    core = AggregatorCore(ServerConfig(mode="sync", min_clients=4, max_versions=6,
+                                       train=settings), spec, start)
+    runtimes = [ClientRuntime(RecordingTransport(core),
+                              ZOTrainer(digits.build_model(), digits.client_data(i, 4),
+                                        device="cpu", return_params=False),
+                              client_id=f"client-{i}", wait_s=0) for i in range(4)]
+
+    # Execute: drive the rounds from one thread
+    for rt in runtimes:
+        rt._call(rt._join)
+    while not core.done:
+        for rt in runtimes:
+            task = core.task(rt.session)
+            if task.action.name == "TRAIN":
+                rt.step(task.round, task.seed)
+
+    # Assert
+    spec.load_into(model, core.params)
+    after = evaluate(model, digits.test)
+    assert core.version == 6
+    assert after["loss"] < before["loss"] - 0.5
+    assert after["accuracy"] > before["accuracy"] + 0.3
+    uplink = [len(p) for rt in runtimes for _, p in rt.transport.pushes]  # type: ignore[attr-defined]
+    assert max(uplink) == create_codec("seed").payload_bytes(150) < 4096
+
+
+def _peak_torch_bytes(fn) -> int:
+    """Peak bytes of torch CPU allocations alive during ``fn()`` beyond those before it."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    current = peak = 0
+    for _, nbytes in events:
+        current += nbytes
+        peak = max(peak, current)
+    return peak
+
+
+def test_zo_keeps_one_copy_of_the_model_and_first_order_needs_more() -> None:
+    # Prepare: a 4 M-parameter layer (16 MB), a small batch
+    torch.manual_seed(0)
+    data = ArrayDataset(np.random.default_rng(0).normal(size=(64, 2000)).astype(np.float32),
+                        np.random.default_rng(1).integers(0, 10, 64))
+    zo = ZOTrainer(torch.nn.Sequential(torch.nn.Linear(2000, 2000), torch.nn.ReLU(),
+                                       torch.nn.Linear(2000, 10)),
+                   data, device="cpu", return_params=False)
+    sgd = TorchTrainer(torch.nn.Sequential(torch.nn.Linear(2000, 2000), torch.nn.ReLU(),
+                                           torch.nn.Linear(2000, 10)), data, device="cpu")
+    start = zo.spec.flatten(zo.model)
+    model_bytes = zo.spec.nbytes
+    settings = zo_settings(local_steps=2, batch_size=8)
+
+    # Execute
+    zo_peak = _peak_torch_bytes(lambda: zo.train(start, settings, seed=0))
+    sgd_peak = _peak_torch_bytes(lambda: sgd.train(start, settings, seed=0))
+
+    # Assert: the module's tensors are views of theta (one copy), ZO allocates at most a block
+    # of z and some activations, first-order allocates gradients and momentum
+    base = zo.theta.untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base for p in zo.model.parameters())
+    assert zo_peak < 0.25 * model_bytes
+    assert sgd_peak >= 2 * model_bytes
+
+
+def test_bind_flat_refuses_tied_weights() -> None:
+    a = torch.nn.Linear(3, 3, bias=False)
+    model = torch.nn.Sequential(a, torch.nn.Linear(3, 3, bias=False))
+    model[1].weight = a.weight
+    with pytest.raises(ValueError, match="tied"):
+        bind_flat(model, ModelSpec.from_module(model), torch.device("cpu"))
+
+
+def test_settings_trainer_follows_the_server_settings(digits) -> None:
+    trainer = make_trainer(digits.build_model(), digits.client_data(0, 4), device="cpu")
+    assert isinstance(trainer, SettingsTrainer)
+    start = trainer.spec.flatten(trainer.model)
+    sgd = trainer.train(start, TaskSettings(local_epochs=1), seed=0)
+    zo = trainer.train(start, zo_settings(local_steps=5), seed=0)
+    assert sgd.encoded is None and sgd.params is not None
+    assert zo.encoded is not None and zo.encoded[0] == "seed" and zo.params is None
+    assert trainer.zeroth_order.model is trainer.first_order.model
+
+
+def test_zo_trainer_refuses_empty_data() -> None:
+    trainer = ZOTrainer(torch.nn.Linear(2, 2), [], device="cpu", num_examples=1)
+    start = trainer.spec.flatten(trainer.model)
+    with pytest.raises(ValueError, match="no batch"):
+        trainer.train(start, zo_settings(local_steps=3), seed=0)
