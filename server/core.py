@@ -256,10 +256,15 @@ class AggregatorCore:
         if update.shape != (self.spec.size,):
             raise InvalidArgument(f"update has {update.size} values; the model has "
                                   f"{self.spec.size}")
-        finite = np.isfinite(update)
-        if not finite.all():
-            bad = int(np.flatnonzero(~finite)[0])
-            raise InvalidArgument(f"update contains NaN or Inf (first at index {bad})")
+        # NaN and Inf propagate through a sum, so a finite sum proves every value finite in one
+        # pass without a mask; only a non-finite sum (or an overflow) needs the exact check.
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = np.add.reduce(update, dtype=np.float32)
+        if not np.isfinite(total):
+            finite = np.isfinite(update)
+            if not finite.all():
+                bad = int(np.flatnonzero(~finite)[0])
+                raise InvalidArgument(f"update contains NaN or Inf (first at index {bad})")
         return update
 
     def _codec(self, header: UpdateHeader) -> Codec:
