@@ -1,5 +1,8 @@
 """Pure aggregation algorithms on flat float32 vectors: no I/O, no network, no server types."""
 
+# Importing the rule modules registers them (fedavg, clip, median, trimmed-mean, krum,
+# multi-krum, centered-clip, sybil, default).
+from murmura.aggregation import robust, sybil  # noqa: F401
 from murmura.aggregation.base import (
     AggregationError,
     Aggregator,
@@ -20,6 +23,15 @@ from murmura.aggregation.optimizers import (
     available_optimizers,
     create_optimizer,
 )
+from murmura.aggregation.robust import (
+    AdaptiveClipping,
+    CenteredClipping,
+    CoordinateMedian,
+    Krum,
+    MultiKrum,
+    TrimmedMean,
+)
+from murmura.aggregation.sybil import RobustDefault, SybilMean, SybilWeighting
 from murmura.aggregation.staleness import (
     Constant,
     Hinge,
@@ -29,7 +41,16 @@ from murmura.aggregation.staleness import (
 )
 
 __all__ = [
+    "AdaptiveClipping",
     "AggregationError",
+    "CenteredClipping",
+    "CoordinateMedian",
+    "Krum",
+    "MultiKrum",
+    "RobustDefault",
+    "SybilMean",
+    "SybilWeighting",
+    "TrimmedMean",
     "Aggregator",
     "BufferedAggregator",
     "Constant",

@@ -291,20 +291,24 @@ def run_client(cfg: Any, task_cfg: Any) -> Any:
     import torch
 
     from murmura.client import ClientRuntime, GrpcTransport, RetryPolicy, make_trainer
+    from murmura.client.malicious import make_attack
     from murmura.edge import device_profile
     from murmura.tasks import load_task
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     task = load_task(task_cfg)
+    attack = make_attack(cfg.attack, cfg.attack_options, seed=cfg.client_index)
+    data = task.client_data(cfg.client_index, cfg.num_clients)
+    if attack.data is not None:
+        data = attack.data(data)
     # The server's settings (sent at join) choose first-order or zeroth-order training per task.
-    trainer = make_trainer(task.build_model(), task.client_data(cfg.client_index, cfg.num_clients),
-                           device=cfg.device)
+    trainer = make_trainer(task.build_model(), data, device=cfg.device)
     transport = GrpcTransport(cfg.server)
     try:
         runtime = ClientRuntime(transport, trainer, client_id=cfg.identity(),
                                 profile=device_profile(trainer.device), token=cfg.token,
-                                codec=cfg.codec, wait_s=cfg.wait_s,
+                                codec=cfg.codec, wait_s=cfg.wait_s, update_hook=attack.update,
                                 retry=RetryPolicy(give_up_after_s=cfg.give_up_after_s))
         return runtime.run(max_tasks=cfg.max_tasks)
     finally:

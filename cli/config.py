@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str,
         elif typing.get_origin(t) is dict:
             group.add_argument(_flag(name).rstrip("s"), dest=name, metavar="KEY=VALUE",
                                action="append", default=None,
-                               help="repeatable; e.g. --codec-option ratio=0.01")
+                               help=f"repeatable: {_flag(name).rstrip('s')} key=value")
         else:
             base = t if t in (int, float, str) else str
             group.add_argument(_flag(name), dest=name, type=base, default=None, help=helptext)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from murmura.edge import DEVICES
 
@@ -24,6 +24,8 @@ class ClientConfig:
     wait_s: float = 10.0
     threads: int = 0               # torch intra-op threads; 0 leaves torch's default
     give_up_after_s: float = 300.0
+    attack: str = ""               # opt-in malicious mode (tests, red-team runs)
+    attack_options: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if ":" not in self.server:
@@ -33,6 +35,9 @@ class ClientConfig:
         if self.num_clients < 1 or not 0 <= self.client_index < self.num_clients:
             raise ValueError(f"client_index must lie in 0..num_clients-1, got "
                              f"{self.client_index} of {self.num_clients}")
+        from murmura.client.malicious import make_attack
+
+        make_attack(self.attack, self.attack_options)  # fails now on a bad name or option
         if self.max_tasks < 0 or self.wait_s < 0 or self.threads < 0:
             raise ValueError("max_tasks, wait_s and threads must be >= 0")
 

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from murmura.aggregation import available_aggregators, available_optimizers
+from murmura.aggregation import (
+    AggregationError,
+    available_aggregators,
+    available_optimizers,
+    create_aggregator,
+)
 from murmura.protocols import TaskSettings
 
 MODES = ("sync", "async")
@@ -34,6 +40,7 @@ class ServerConfig:
     staleness_exponent: float = 0.5
     # aggregation
     defense: str = "fedavg"        # aggregation rule: fedavg (none) or a robust rule
+    defense_options: dict[str, str] = field(default_factory=dict)  # e.g. f=2, trim=0.2
     optimizer: str = "fedavg"
     server_lr: float = 1.0
     # limits and identity
@@ -68,6 +75,10 @@ class ServerConfig:
         if self.defense not in available_aggregators():
             raise ValueError(f"unknown defense {self.defense!r}; "
                              f"available: {', '.join(available_aggregators())}")
+        try:  # build one small instance so bad options fail now, not at the first round
+            create_aggregator(self.defense, 16, **self.defense_kwargs())
+        except (AggregationError, TypeError) as exc:
+            raise ValueError(f"defense {self.defense!r}: {exc}") from None
         if self.optimizer not in available_optimizers():
             raise ValueError(f"unknown optimizer {self.optimizer!r}; "
                              f"available: {', '.join(available_optimizers())}")
@@ -76,6 +87,22 @@ class ServerConfig:
         if not self.max_payload_mb > 0:
             raise ValueError(f"max_payload_mb must be positive, got {self.max_payload_mb}")
 
+    def defense_kwargs(self) -> dict[str, Any]:
+        """``defense_options`` with numbers parsed (``none`` means None)."""
+        return {k.replace("-", "_"): _parse_option(v) for k, v in self.defense_options.items()}
+
     @property
     def max_payload_bytes(self) -> int:
         return int(self.max_payload_mb * (1 << 20))
+
+
+def _parse_option(value: str) -> Any:
+    text = str(value).strip()
+    if text.lower() == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

@@ -79,7 +79,7 @@ class SyncPolicy(Policy):
     def __init__(self, core: AggregatorCore) -> None:
         super().__init__(core)
         cfg = core.config
-        self.agg = create_aggregator(cfg.defense, core.spec.size)
+        self.agg = create_aggregator(cfg.defense, core.spec.size, **cfg.defense_kwargs())
         self.round = 0
         self.open = False
         self.cohort: list[str] = []
@@ -190,7 +190,8 @@ class AsyncPolicy(Policy):
         cfg = core.config
         self.buffer = FedBuff(core.spec.size, buffer_size=cfg.buffer_size,
                               max_staleness=cfg.max_staleness, staleness=self.staleness,
-                              aggregator=lambda size: create_aggregator(cfg.defense, size))
+                              aggregator=lambda size: create_aggregator(
+                                  cfg.defense, size, **cfg.defense_kwargs()))
         self._tasks = 0
 
     def task_for(self, rec: ClientRecord) -> Task:

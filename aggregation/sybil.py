@@ -1,0 +1,353 @@
+"""Sybil-resistant weighting from update histories, and the recommended default aggregator.
+
+The idea is FoolsGold's (Fung, Yoon and Beschastnikh, "The Limitations of Federated Learning in
+Sybil Settings", https://arxiv.org/abs/1808.04866): many identities controlled by one attacker
+push the same objective, so their accumulated updates stay far more alike than honest clients'
+do, however non-IID the honest data. Such clients are down-weighted, and honest diversity keeps
+its weight. What we do differently, and why:
+
+* **Bounded state.** A client's history is a ``dim``-value count sketch (random signs, bucket =
+  index mod ``dim``) of its updates, not a model-sized vector. Inner products of sketches
+  estimate inner products of updates without bias (error about 1/sqrt(dim) in cosine). The
+  signs come from a seeded generator, block by block, so nothing model-sized is stored.
+  At most ``max_clients`` histories are kept; the least recently observed is evicted.
+* **Unit-length steps, not centred.** Each update enters the history as a unit vector scaled
+  by its staleness factor, so no single round (or boosted update) dominates and stale updates
+  count less. We do not centre updates on a reference (say the last aggregate or a median):
+  that removes the shared descent direction from honest histories, but a clone majority
+  captures any such reference, after which clones differ only by their jitter and look
+  distinct. The origin cannot be captured; the price is that near-IID honest clients with
+  plenty of data have similar histories, so ``low`` and ``high`` sit close to 1.
+* **Absolute thresholds.** A client's score is its largest cosine with any other tracked client
+  (in the buffer or not, so clones split across asynchronous buffers are still compared). The
+  weight is 1 below ``low``, 0 above ``high``, linear in between. FoolsGold instead rescales
+  scores relative to the most distinct client, which also zeroes honest clients that merely
+  share a label mix; thresholds keep them. On the digits task honest histories stay below
+  0.9 while clones with 5% jitter are above 0.997 from their first update.
+
+Cost per buffer: one sketch pass over the updates (O(n P)) and an (n x clients x dim) product;
+nothing is O(clients^2 x model).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from murmura.aggregation.base import AggregationError, FlatVector, register_aggregator
+from murmura.aggregation.robust import (
+    RobustAggregator,
+    Stack,
+    _check_weight_cap,
+    cap_weights,
+    centered_clip,
+    clip_scales,
+    weighted_median,
+    weighted_sum,
+)
+
+__all__ = [
+    "RobustDefault",
+    "SybilMean",
+    "SybilWeighting",
+    "sketch_rows",
+    "similarity_weights",
+]
+
+Floats = npt.NDArray[np.float64]
+
+# Columns sketched per block: temporaries stay bounded whatever the model size.
+_SKETCH_COLUMNS = 8192
+
+
+def sketch_rows(x: npt.NDArray[np.float32], *, dim: int, seed: int) -> Floats:
+    """Count sketch of each row of ``x`` (or of a single vector): shape (n, dim) or (dim,).
+
+    Coordinate j goes to bucket j mod dim with a random sign drawn from ``seed``; the same seed
+    always gives the same signs, so sketches of different updates are comparable.
+    """
+    if dim < 1:
+        raise AggregationError(f"sketch dim must be >= 1, got {dim}")
+    single = x.ndim == 1
+    rows = np.atleast_2d(np.asarray(x, dtype=np.float32))
+    n, p = rows.shape
+    block = dim * max(8, math.ceil(_SKETCH_COLUMNS / dim / 8) * 8)  # multiple of dim and of 8
+    rng = np.random.Generator(np.random.PCG64(seed))
+    out = np.zeros((n, dim), dtype=np.float64)
+    for a in range(0, p, block):
+        length = min(block, p - a)
+        bits = np.unpackbits(np.frombuffer(rng.bytes((length + 7) // 8), dtype=np.uint8),
+                             count=length)
+        # Flip the IEEE sign bit where the random bit is set: exact, and one pass.
+        flip = bits.astype(np.uint32) << np.uint32(31)
+        chunk = np.ascontiguousarray(rows[:, a:a + length])
+        y = (chunk.view(np.uint32) ^ flip).view(np.float32)
+        full = (length // dim) * dim
+        if full:
+            out += y[:, :full].reshape(n, -1, dim).sum(axis=1, dtype=np.float64)
+        if full < length:
+            out[:, : length - full] += y[:, full:]
+    return out[0] if single else out
+
+
+def similarity_weights(max_similarity: Floats, *, low: float, high: float) -> Floats:
+    """1 below ``low``, 0 above ``high``, linear in between."""
+    s = np.asarray(max_similarity, dtype=np.float64)
+    return np.clip((high - s) / (high - low), 0.0, 1.0)
+
+
+def _check_thresholds(low: float, high: float) -> None:
+    if not (-1.0 <= low < high <= 1.0):
+        raise AggregationError(f"need -1 <= low < high <= 1 for similarities, got {low}, {high}")
+
+
+class SybilWeighting:
+    """Stateful Sybil scorer over bounded client histories (see the module docstring).
+
+    Use it alone (e.g. a gossip peer scoring its neighbours): ``sketch`` each update,
+    ``observe`` it, then ask ``weights`` for the clients to be combined.
+    Assumes the attacker's identities push one shared objective; it tolerates any number of
+    such clones (their weight goes to 0 together) but not attackers whose updates differ as much
+    as honest ones do, which are left to the robust rules in :mod:`murmura.aggregation.robust`.
+    Honest clients with near-identical data look like clones too; raise ``low`` and ``high``
+    if that is expected.
+    """
+
+    def __init__(self, size: int, *, dim: int = 512, max_clients: int = 10_000, seed: int = 0,
+                 low: float = 0.95, high: float = 0.99) -> None:
+        if size <= 0:
+            raise AggregationError(f"model size must be positive, got {size}")
+        if int(dim) != dim or dim < 16:
+            raise AggregationError(f"sketch dim must be an integer >= 16, got {dim}")
+        if int(max_clients) != max_clients or max_clients < 2:
+            raise AggregationError(f"max_clients must be an integer >= 2, got {max_clients}")
+        _check_thresholds(low, high)
+        self.size, self.dim, self.max_clients, self.seed = size, int(dim), int(max_clients), seed
+        self.low, self.high = float(low), float(high)
+        self._slots: OrderedDict[str, int] = OrderedDict()  # least recently observed first
+        self._free: list[int] = []
+        self._hist = np.zeros((0, self.dim), dtype=np.float32)
+
+    # -- sketches and histories
+
+    def sketch(self, update: FlatVector) -> Floats:
+        """The (dim,) count sketch of one update, or (n, dim) for a stack of updates."""
+        if update.shape[-1] != self.size:
+            raise AggregationError(f"update has {update.shape[-1]} values, expected {self.size}")
+        return sketch_rows(update, dim=self.dim, seed=self.seed)
+
+    def observe(self, client_id: str, sketch: Floats, *, factor: float = 1.0) -> None:
+        """Add factor x sketch / ||sketch|| to the client's history.
+
+        Call it whenever an update arrives (any order, any staleness); ``factor`` is the
+        staleness discount, so stale updates shape the history less.
+        """
+        sketch = np.asarray(sketch, dtype=np.float64)
+        if sketch.shape != (self.dim,):
+            raise AggregationError(f"sketch has shape {sketch.shape}, expected ({self.dim},)")
+        if not (math.isfinite(factor) and factor >= 0):
+            raise AggregationError(f"factor must be non-negative and finite, got {factor}")
+        length = float(np.linalg.norm(sketch))
+        slot = self._slot(client_id)
+        if factor > 0 and length > 0 and math.isfinite(length):
+            self._hist[slot] += (factor / length * sketch).astype(np.float32)
+
+    def _slot(self, client_id: str) -> int:
+        slot = self._slots.get(client_id)
+        if slot is not None:
+            self._slots.move_to_end(client_id)
+            return slot
+        if len(self._slots) >= self.max_clients:
+            _, slot = self._slots.popitem(last=False)
+        elif self._free:
+            slot = self._free.pop()
+        else:
+            slot = len(self._slots)
+            if slot >= self._hist.shape[0]:
+                grown = min(self.max_clients, max(64, 2 * self._hist.shape[0]))
+                self._hist = np.concatenate(
+                    [self._hist, np.zeros((grown - self._hist.shape[0], self.dim), np.float32)])
+        self._hist[slot] = 0.0
+        self._slots[client_id] = slot
+        return slot
+
+    def forget(self, client_id: str) -> None:
+        """Drop a client's history (e.g. it left for good)."""
+        slot = self._slots.pop(client_id, None)
+        if slot is not None:
+            self._hist[slot] = 0.0
+            self._free.append(slot)
+
+    def __contains__(self, client_id: object) -> bool:
+        return client_id in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes held for histories: at most max_clients x dim x 4, whatever the model size."""
+        return int(self._hist.nbytes)
+
+    # -- scores
+
+    def max_similarity(self, client_ids: Sequence[str]) -> Floats:
+        """Each client's largest cosine with any other tracked client's history (-1 if alone)."""
+        missing = [c for c in client_ids if c not in self._slots]
+        if missing:
+            raise AggregationError(f"no history for client(s) {missing}; observe them first")
+        slots = np.fromiter(self._slots.values(), dtype=np.intp, count=len(self._slots))
+        hist = self._hist[slots].astype(np.float64)
+        norms = np.linalg.norm(hist, axis=1)
+        unit = np.divide(hist, norms[:, None], out=np.zeros_like(hist), where=norms[:, None] > 0)
+        position = {slot: i for i, slot in enumerate(slots)}
+        mine = np.array([position[self._slots[c]] for c in client_ids], dtype=np.intp)
+        sims = unit[mine] @ unit.T
+        sims[np.arange(len(mine)), mine] = -np.inf
+        if sims.shape[1] < 2:
+            return np.full(len(mine), -1.0)
+        best: Floats = np.clip(sims.max(axis=1), -1.0, 1.0)
+        return best
+
+    def weights(self, client_ids: Sequence[str]) -> Floats:
+        """Weight in [0, 1] per client: 1 for distinct histories, 0 for clones."""
+        return similarity_weights(self.max_similarity(client_ids), low=self.low, high=self.high)
+
+
+class SybilMean(RobustAggregator):
+    """Weighted mean with FoolsGold-style Sybil weights: sum_i w_i s_i f_i u_i / sum_i w_i s_i.
+
+    Example counts w_i are capped at ``weight_cap`` x the median count of non-clones.
+
+    Fung et al., https://arxiv.org/abs/1808.04866. Tolerates any number of clone identities of
+    one attacker (see :class:`SybilWeighting`); gives no protection against Byzantine updates
+    that are dissimilar to each other, so prefer ``default``, which adds clipping. Histories
+    outlive ``reset()``; a buffer's updates enter them on its first ``result()``. Updates
+    without a client id get a one-off history, forgotten at ``reset()``. If every update is
+    judged a clone, the aggregate is zero (no step).
+    """
+
+    name = "sybil"
+
+    def __init__(self, size: int, *, dim: int = 512, max_clients: int = 10_000, seed: int = 0,
+                 low: float = 0.95, high: float = 0.99,
+                 weight_cap: float | None = 4.0) -> None:
+        super().__init__(size)
+        _check_weight_cap(weight_cap)
+        self.weight_cap = weight_cap
+        self.scorer = SybilWeighting(size, dim=dim, max_clients=max_clients, seed=seed,
+                                     low=low, high=high)
+        self.last_weights: Floats = np.zeros(0)
+        self._committed = False
+        self._anonymous: set[str] = set()
+
+    def sybil_weights(self, x: Stack, factors: Floats, ids: list[str]) -> Floats:
+        """Sybil weight per row; the first call per buffer adds the rows to the histories."""
+        keys = [cid or f"\x00anonymous-{i}" for i, cid in enumerate(ids)]
+        if len(set(keys)) > self.scorer.max_clients:
+            raise AggregationError(
+                f"buffer holds {len(set(keys))} clients but max_clients is "
+                f"{self.scorer.max_clients}; raise max_clients"
+            )
+        if not self._committed:
+            # Rows arrive scaled by their factor; the history needs only the direction.
+            sketches = self.scorer.sketch(x)
+            for key, sketch, factor in zip(keys, sketches, factors, strict=True):
+                self.scorer.observe(key, sketch, factor=float(factor))
+            self._anonymous.update(k for k, cid in zip(keys, ids, strict=True) if not cid)
+            self._committed = True
+        self.last_weights = self.scorer.weights(keys)
+        return self.last_weights
+
+    def _robust(self, x: Stack, weights: Floats, factors: Floats, norms: Floats,
+                ids: list[str]) -> FlatVector:
+        s = self.sybil_weights(x, factors, ids)
+        w = self._capped(weights, s) * s
+        if not w.sum() > 0:
+            return np.zeros(self.size, dtype=np.float32)
+        return weighted_sum(x, w / w.sum())
+
+    def _capped(self, weights: Floats, s: Floats) -> Floats:
+        # The cap is relative to the median weight of non-clones: clones claiming tiny (or
+        # huge) counts cannot move it.
+        keep = s > 0
+        if not keep.any():
+            return weights
+        capped = cap_weights(weights[keep], ratio=self.weight_cap)
+        out = weights.copy()
+        out[keep] = capped
+        return out
+
+    def reset(self) -> None:
+        super().reset()
+        self._committed = False
+        for key in self._anonymous:
+            self.scorer.forget(key)
+        self._anonymous.clear()
+
+
+class RobustDefault(SybilMean):
+    """The recommended rule: Sybil weights, then adaptive norm clipping, then centred clipping.
+
+    1. Sybil weights s_i (:class:`SybilWeighting`) remove clone floods of any size, including
+       colluding attacks that send one shared vector (ALIE, IPM).
+    2. Each update is clipped to ``clip_multiplier`` x the median norm of the non-clone updates,
+       which bounds boosted updates.
+    3. Centred clipping (Karimireddy et al., https://arxiv.org/abs/2012.10333) around the last
+       aggregate, with weights w_i s_i (w_i capped at ``weight_cap`` x the median) and radius
+       ``tau_scale`` x the median distance (votes s_i), bounds what the remaining (non-clone)
+       Byzantine minority can do per round.
+
+    With no attackers the honest weights stay near 1 and the clipping only trims the honest
+    tails, so the result is close to FedAvg. ``tau_scale=1`` was chosen on the digits task:
+    against 20% sign flippers it kept 85.6% accuracy where ``tau_scale=2`` kept 74.6%, and
+    without attackers both matched FedAvg within 0.1 point (docs/robustness.md). Tolerates
+    clone floods of any share of identities plus a minority (< 1/2 of the non-clone weight) of
+    dissimilar Byzantine clients. State (histories and centre) outlives ``reset()``. Cost: the
+    sketch pass, then 2 + 2 x ``iterations`` passes over the buffer.
+    """
+
+    name = "default"
+
+    def __init__(self, size: int, *, dim: int = 512, max_clients: int = 10_000, seed: int = 0,
+                 low: float = 0.95, high: float = 0.99, weight_cap: float | None = 4.0,
+                 clip_multiplier: float = 2.0, tau_scale: float = 1.0,
+                 iterations: int = 3) -> None:
+        super().__init__(size, dim=dim, max_clients=max_clients, seed=seed, low=low, high=high,
+                         weight_cap=weight_cap)
+        if not (math.isfinite(clip_multiplier) and clip_multiplier > 0):
+            raise AggregationError(f"clip_multiplier must be positive, got {clip_multiplier}")
+        if not (math.isfinite(tau_scale) and tau_scale > 0):
+            raise AggregationError(f"tau_scale must be positive, got {tau_scale}")
+        if int(iterations) != iterations or iterations < 1:
+            raise AggregationError(f"iterations must be an integer >= 1, got {iterations}")
+        self.clip_multiplier = float(clip_multiplier)
+        self.tau_scale = float(tau_scale)
+        self.iterations = int(iterations)
+        self.centre = np.zeros(size, dtype=np.float32)
+        self._start = self.centre
+
+    def _robust(self, x: Stack, weights: Floats, factors: Floats, norms: Floats,
+                ids: list[str]) -> FlatVector:
+        first = not self._committed
+        s = self.sybil_weights(x, factors, ids)
+        w = self._capped(weights, s) * s
+        if not w.sum() > 0:
+            return np.zeros(self.size, dtype=np.float32)
+        bound = self.clip_multiplier * weighted_median(norms, s)
+        if first:
+            self._start = self.centre
+        out, _ = centered_clip(x, w, centre=self._start, tau=None, tau_scale=self.tau_scale,
+                               iterations=self.iterations, votes=s,
+                               scales=clip_scales(norms, bound), norms=norms)
+        if first:
+            self.centre = out
+        return out
+
+
+register_aggregator("sybil", SybilMean)
+register_aggregator("default", RobustDefault)

@@ -1,0 +1,62 @@
+"""Opt-in malicious behaviour for a real client, for integration tests and red-team runs.
+
+A malicious client runs the normal runtime and poisons either its data (targeted label
+flipping) or its update just before encoding (sign flipping, boosting, noise). Attacks that need
+the honest clients' updates (ALIE, IPM) or many identities (Sybil clones) live in the simulation
+harness, which sees every client; they use the same functions from :mod:`murmura.client.attacks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from murmura.client import attacks
+from murmura.protocols import FlatVector
+from murmura.tasks import ArrayDataset
+
+ATTACKS = ("", "label-flip", "sign-flip", "scale", "noise")
+
+
+@dataclass(frozen=True)
+class Attack:
+    """What a malicious client does: a data transform and/or an update transform."""
+
+    data: Callable[[ArrayDataset], ArrayDataset] | None = None
+    update: Callable[[FlatVector], FlatVector] | None = None
+
+
+def make_attack(name: str, options: dict[str, str] | None = None, *, seed: int = 0) -> Attack:
+    """``label-flip`` (source, target), ``sign-flip`` (scale), ``scale`` (factor),
+    ``noise`` (std); an empty name is an honest client."""
+    opts = dict(options or {})
+
+    def number(key: str, default: float) -> float:
+        try:
+            return float(opts.pop(key, default))
+        except ValueError:
+            raise ValueError(f"attack {name!r}: option {key} is not a number") from None
+
+    if name not in ATTACKS:
+        known = ", ".join(a for a in ATTACKS if a)
+        raise ValueError(f"unknown attack {name!r}; use one of {known}")
+    attack = Attack()
+    if name == "label-flip":
+        source, target = int(number("source", 1)), int(number("target", 7))
+        attack = Attack(data=lambda d: ArrayDataset(
+            d.x, np.asarray(attacks.flip_labels(d.y, source, target), dtype=np.int64)))
+    elif name == "sign-flip":
+        scale = number("scale", 1.0)
+        attack = Attack(update=lambda u: attacks.sign_flip(u, scale=scale))
+    elif name == "scale":
+        factor = number("factor", 10.0)
+        attack = Attack(update=lambda u: attacks.scale_update(u, factor=factor))
+    elif name == "noise":
+        std = number("std", 1.0)
+        rng = np.random.default_rng(seed)
+        attack = Attack(update=lambda u: attacks.gaussian_noise(u, std=std, rng=rng))
+    if opts:
+        raise ValueError(f"attack {name!r}: unknown option(s) {sorted(opts)}")
+    return attack

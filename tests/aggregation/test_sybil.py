@@ -1,0 +1,253 @@
+"""Sybil weighting: clones lose their weight, honest non-IID clients keep it; bounded state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from murmura.aggregation import AggregationError, FedBuff, create_aggregator
+from murmura.aggregation.staleness import Polynomial
+from murmura.aggregation.sybil import SybilMean, SybilWeighting, sketch_rows
+
+P = 3000
+
+
+class Population:
+    """Synthetic rounds: honest = shared descent + a persistent client direction + noise."""
+
+    def __init__(self, seed: int, *, honest: int = 10, clones: int = 5,
+                 jitter: float = 0.05) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.honest, self.clones, self.jitter = honest, clones, jitter
+        self.own = self.rng.standard_normal((honest, P)) * 0.8 / np.sqrt(P)
+        self.poison = self.rng.standard_normal(P) / np.sqrt(P)
+
+    def round(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        common = np.full(P, 1.0 / np.sqrt(P)) * (1.0 / (1 + 0.1 * t))
+        noise = self.rng.standard_normal((self.honest, P)) * 0.3 / np.sqrt(P)
+        honest = (common + self.own + noise).astype(np.float32)
+        poisoned = 0.3 * common + self.poison
+        jit = self.rng.standard_normal((self.clones, P)) * self.jitter / np.sqrt(P)
+        clones = (poisoned + jit * np.linalg.norm(poisoned)).astype(np.float32)
+        return honest, clones
+
+    def arrivals(self, t: int) -> list[tuple[str, np.ndarray, int]]:
+        """(client id, update, staleness) in a random order; some arrive stale."""
+        honest, clones = self.round(t)
+        items = [(f"h{i}", u, int(self.rng.integers(0, 3))) for i, u in enumerate(honest)]
+        items += [(f"s{i}", u, int(self.rng.integers(0, 3))) for i, u in enumerate(clones)]
+        return [items[i] for i in self.rng.permutation(len(items))]
+
+
+def weights_by_id(agg: SybilMean, ids: list[str]) -> dict[str, float]:
+    return {c: float(w) for c, w in zip(ids, agg.scorer.weights(ids), strict=True)}
+
+
+# ----------------------------------------------------------------------------- the scenario
+
+
+def test_clones_lose_their_weight_and_honest_clients_keep_it_under_async_staleness() -> None:
+    # Prepare: FedBuff with buffers of 5, so clones mostly land in different buffers.
+    pop = Population(0)
+    buf = FedBuff(P, buffer_size=5, max_staleness=4, staleness=Polynomial(0.5),
+                  aggregator=lambda size: SybilMean(size))
+    agg = buf._agg
+    assert isinstance(agg, SybilMean)
+
+    # Execute: 6 rounds of arrivals, flushing whenever the buffer is full.
+    for t in range(6):
+        for cid, update, tau in pop.arrivals(t):
+            if buf.add(update, 50.0, tau, client_id=cid):
+                buf.flush()
+
+    # Assert
+    w = weights_by_id(agg, [f"h{i}" for i in range(10)] + [f"s{i}" for i in range(5)])
+    assert max(w[f"s{i}"] for i in range(5)) <= 0.05
+    assert min(w[f"h{i}"] for i in range(10)) >= 0.9
+
+
+def test_default_keeps_the_aggregate_on_the_honest_side_of_a_clone_majority() -> None:
+    # Prepare: 10 honest identities against 12 clones (55% of identities).
+    pop = Population(1, clones=12)
+    default, fedavg = create_aggregator("default", P), create_aggregator("fedavg", P)
+
+    # Execute
+    for t in range(4):
+        honest, clones = pop.round(t)
+        for agg in (default, fedavg):
+            agg.reset()
+            for i, u in enumerate(honest):
+                agg.add(u, 50.0, client_id=f"h{i}")
+            for i, u in enumerate(clones):
+                agg.add(u, 50.0, client_id=f"s{i}")
+        out, plain = default.result(), fedavg.result()
+
+    # Assert: the default sits near the honest mean; FedAvg is pulled to the poison.
+    target = honest.mean(axis=0)
+
+    def cos(a: np.ndarray, b: np.ndarray) -> float:
+        return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+    assert cos(out, target) > 0.95
+    assert cos(plain, target) < 0.8
+    assert abs(cos(out, pop.poison)) < 0.15
+
+
+def test_honest_non_iid_clients_keep_full_weight_and_default_matches_fedavg() -> None:
+    pop = Population(2, clones=0)
+    default, fedavg = create_aggregator("default", P), create_aggregator("fedavg", P)
+    for t in range(5):
+        honest, _ = pop.round(t)
+        for agg in (default, fedavg):
+            agg.reset()
+            for i, u in enumerate(honest):
+                agg.add(u, 10.0 + i, client_id=f"h{i}")
+        out, plain = default.result(), fedavg.result()
+        assert np.all(default.last_weights >= 0.99)
+        assert np.linalg.norm(out - plain) <= 0.05 * np.linalg.norm(plain)
+
+
+def test_a_first_round_of_clones_is_already_caught() -> None:
+    honest, clones = Population(3).round(0)
+    agg = SybilMean(P)
+    for i, u in enumerate(honest):
+        agg.add(u, 1.0, client_id=f"h{i}")
+    for i, u in enumerate(clones):
+        agg.add(u, 1.0, client_id=f"s{i}")
+    agg.result()
+    assert np.all(agg.last_weights[10:] <= 0.05)
+    assert np.all(agg.last_weights[:10] >= 0.9)
+
+
+def test_two_updates_of_one_client_in_a_buffer_are_not_clones_of_each_other() -> None:
+    honest, _ = Population(4).round(0)
+    agg = SybilMean(P)
+    for i, u in enumerate(honest):
+        agg.add(u, 1.0, client_id=f"h{i}")
+    agg.add(honest[0] * 1.01, 1.0, client_id="h0")  # a fast client's second update
+    agg.result()
+    assert np.all(agg.last_weights >= 0.9)
+
+
+def test_updates_without_client_id_get_one_off_histories() -> None:
+    honest, clones = Population(5).round(0)
+    agg = SybilMean(P)
+    for u in list(honest) + list(clones):
+        agg.add(u, 1.0)
+    agg.result()
+    assert np.all(agg.last_weights[10:] <= 0.05)  # clones in one buffer are still seen
+    np.testing.assert_array_equal(agg.result(), agg.result())
+    agg.reset()
+    assert len(agg.scorer) == 0  # nothing persisted for anonymous updates
+
+
+def test_when_every_update_is_a_clone_the_aggregate_is_zero() -> None:
+    _, clones = Population(6).round(0)
+    agg = SybilMean(P)
+    for i, u in enumerate(clones):
+        agg.add(u, 1.0, client_id=f"s{i}")
+    np.testing.assert_array_equal(agg.result(), np.zeros(P, np.float32))
+
+
+@pytest.mark.parametrize("name", ["sybil", "default"])
+@settings(max_examples=8, deadline=None)
+@given(perm_seed=st.integers(0, 2**16))
+def test_sybil_rules_do_not_depend_on_arrival_order(name, perm_seed) -> None:
+    honest, clones = Population(7).round(0)
+    x = np.concatenate([honest, clones])
+    ids = [f"c{i}" for i in range(len(x))]
+    perm = np.random.default_rng(perm_seed).permutation(len(x))
+    results = []
+    for order in (np.arange(len(x)), perm):
+        agg = create_aggregator(name, P)
+        for i in order:
+            agg.add(x[i], 1.0 + i, client_id=ids[i])
+        results.append(agg.result())
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1e3, 1e9])
+def test_one_huge_update_moves_the_default_by_a_bounded_amount(scale) -> None:
+    honest, _ = Population(8).round(0)
+    attacked = honest.copy()
+    attacked[0] = scale * np.random.default_rng(0).standard_normal(P).astype(np.float32)
+    out = []
+    for x in (honest, attacked):
+        agg = create_aggregator("default", P)
+        for i, u in enumerate(x):
+            agg.add(u, 1.0, client_id=f"c{i}")
+        out.append(agg.result())
+    assert np.linalg.norm(out[1] - out[0]) <= 0.5 * np.linalg.norm(honest, axis=1).max()
+
+
+# ----------------------------------------------------------------------------- the sketch
+
+
+def test_sketch_is_linear_seeded_and_preserves_cosines() -> None:
+    rng = np.random.default_rng(9)
+    p = 50_001  # not a multiple of the sketch size or of the block
+    a = rng.standard_normal(p).astype(np.float32)
+    b = (0.6 * a + 0.8 * rng.standard_normal(p)).astype(np.float32)
+    sa, sb = sketch_rows(a, dim=512, seed=1), sketch_rows(b, dim=512, seed=1)
+
+    np.testing.assert_allclose(sketch_rows(np.stack([a, b]), dim=512, seed=1), [sa, sb])
+    np.testing.assert_allclose(sketch_rows(a + b, dim=512, seed=1), sa + sb, rtol=1e-5,
+                               atol=1e-3)
+    assert not np.allclose(sketch_rows(a, dim=512, seed=2), sa)
+    true_cos = a @ b / np.linalg.norm(a) / np.linalg.norm(b)
+    est_cos = sa @ sb / np.linalg.norm(sa) / np.linalg.norm(sb)
+    assert abs(est_cos - true_cos) < 0.1
+
+
+# ----------------------------------------------------------------------------- bounded state
+
+
+def test_state_size_does_not_grow_with_the_model() -> None:
+    sizes = []
+    for model_size in (1_000, 200_000):
+        scorer = SybilWeighting(model_size, dim=64, max_clients=100)
+        update = np.ones(model_size, np.float32)
+        for i in range(150):
+            scorer.observe(f"c{i}", scorer.sketch(update) * (i + 1))
+        sizes.append(scorer.state_nbytes)
+    assert sizes[0] == sizes[1] <= 100 * 64 * 4
+
+
+def test_client_cap_evicts_the_least_recently_observed() -> None:
+    scorer = SybilWeighting(10, dim=16, max_clients=3)
+    sketch = np.ones(16)
+    for cid in ("a", "b", "c"):
+        scorer.observe(cid, sketch)
+    scorer.observe("a", sketch)  # a is now the most recent; b the least
+    scorer.observe("d", sketch)
+    assert len(scorer) == 3 and "b" not in scorer and {"a", "c", "d"} <= set(
+        c for c in "abcd" if c in scorer)
+    with pytest.raises(AggregationError, match="no history"):
+        scorer.weights(["b"])
+
+
+def test_a_buffer_with_more_clients_than_the_cap_is_refused() -> None:
+    agg = SybilMean(10, dim=16, max_clients=3)
+    for i in range(4):
+        agg.add(np.full(10, float(i), np.float32), 1.0, client_id=f"c{i}")
+    with pytest.raises(AggregationError, match="max_clients"):
+        agg.result()
+
+
+@pytest.mark.parametrize("options", [
+    {"dim": 8}, {"max_clients": 1}, {"low": 0.9, "high": 0.9}, {"low": -2.0},
+    {"weight_cap": 0.0},
+])
+def test_bad_sybil_options_are_refused(options) -> None:
+    with pytest.raises(AggregationError):
+        create_aggregator("sybil", 10, **options)
+
+
+@pytest.mark.parametrize("options", [
+    {"clip_multiplier": 0.0}, {"tau_scale": -1.0}, {"iterations": 0},
+])
+def test_bad_default_options_are_refused(options) -> None:
+    with pytest.raises(AggregationError):
+        create_aggregator("default", 10, **options)

@@ -1,0 +1,102 @@
+"""Update-level attacks: the vectors they send, their seeding, and that inputs stay untouched."""
+
+from __future__ import annotations
+
+from statistics import NormalDist
+
+import numpy as np
+import pytest
+
+from murmura.client import attacks
+
+
+@pytest.fixture
+def honest() -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((8, 50)).astype(np.float32)
+
+
+def test_sign_flip_and_scaling_send_multiples_of_the_update(honest) -> None:
+    u = honest[0]
+    np.testing.assert_allclose(attacks.sign_flip(u), -u)
+    np.testing.assert_allclose(attacks.sign_flip(u, scale=4.0), -4 * u)
+    np.testing.assert_allclose(attacks.scale_update(u, factor=10.0), 10 * u)
+    assert attacks.sign_flip(u).dtype == np.float32
+
+
+def test_gaussian_noise_is_seeded_and_replaces_or_adds(honest) -> None:
+    u = honest[0]
+    a = attacks.gaussian_noise(u, std=2.0, rng=np.random.default_rng(1))
+    b = attacks.gaussian_noise(u, std=2.0, rng=np.random.default_rng(1))
+    c = attacks.gaussian_noise(u, std=2.0, rng=np.random.default_rng(1), additive=True)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(c, u + a, rtol=1e-6)
+    assert 1.0 < float(np.std(attacks.gaussian_noise(np.zeros(10_000, np.float32), std=2.0,
+                                                     rng=np.random.default_rng(2)))) < 3.0
+
+
+def test_sybil_clones_are_near_identical_and_seeded(honest) -> None:
+    u = honest[0]
+    clones = attacks.sybil_clones(u, k=5, jitter=0.05, rng=np.random.default_rng(3))
+    again = attacks.sybil_clones(u, k=5, jitter=0.05, rng=np.random.default_rng(3))
+    np.testing.assert_array_equal(clones, again)
+    assert clones.shape == (5, u.shape[0]) and clones.dtype == np.float32
+    assert len({c.tobytes() for c in clones}) == 5  # distinct identities, not exact copies
+    offsets = np.linalg.norm(clones - u, axis=1) / np.linalg.norm(u)
+    assert np.all(offsets < 0.15)
+    np.testing.assert_array_equal(attacks.sybil_clones(u, k=2, jitter=0.0,
+                                                       rng=np.random.default_rng(0)), [u, u])
+
+
+def test_alie_shifts_the_mean_by_z_standard_deviations(honest) -> None:
+    z = attacks.alie_z(25, 5)  # s = floor(13.5) - 5 = 8, z = Phi^-1(17 / 25)
+    assert z == pytest.approx(NormalDist().inv_cdf(17 / 25))
+    v = attacks.alie(honest, num_clients=25, num_byzantine=5)
+    np.testing.assert_allclose(v, honest.mean(0) - z * honest.std(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(attacks.alie(honest, num_clients=10, num_byzantine=2, z=1.5),
+                               honest.mean(0) - 1.5 * honest.std(0), rtol=1e-5, atol=1e-6)
+
+
+def test_alie_z_grows_with_the_number_of_attackers() -> None:
+    zs = [attacks.alie_z(50, f) for f in (2, 5, 10, 20)]
+    assert zs == sorted(zs) and zs[0] > 0
+    with pytest.raises(ValueError):
+        attacks.alie_z(10, 0)
+
+
+def test_ipm_sends_minus_eps_times_the_honest_mean(honest) -> None:
+    v = attacks.ipm(honest, eps=0.5)
+    np.testing.assert_allclose(v, -0.5 * honest.mean(0), rtol=1e-5, atol=1e-7)
+    assert float(v @ honest.mean(0)) < 0
+
+
+def test_attacks_leave_their_inputs_untouched(honest) -> None:
+    before = honest.copy()
+    attacks.sign_flip(honest[0])
+    attacks.scale_update(honest[0], factor=3.0)
+    attacks.gaussian_noise(honest[0], std=1.0, rng=np.random.default_rng(0), additive=True)
+    attacks.sybil_clones(honest[0], k=3, jitter=0.1, rng=np.random.default_rng(0))
+    attacks.alie(honest, num_clients=10, num_byzantine=2)
+    attacks.ipm(honest, eps=1.0)
+    np.testing.assert_array_equal(honest, before)
+
+
+def test_flip_labels_changes_only_the_source_class_and_copies() -> None:
+    y = np.array([0, 1, 7, 1, 3], dtype=np.int32)
+    out = attacks.flip_labels(y, 1, 7)
+    np.testing.assert_array_equal(out, [0, 7, 7, 7, 3])
+    np.testing.assert_array_equal(y, [0, 1, 7, 1, 3])
+    assert out.dtype == y.dtype
+    with pytest.raises(ValueError):
+        attacks.flip_labels(np.array([0.5, 1.0]), 1, 7)
+
+
+@pytest.mark.parametrize("call", [
+    lambda u: attacks.sybil_clones(u, k=0, jitter=0.1, rng=np.random.default_rng(0)),
+    lambda u: attacks.sybil_clones(u, k=2, jitter=-1.0, rng=np.random.default_rng(0)),
+    lambda u: attacks.gaussian_noise(u, std=-1.0, rng=np.random.default_rng(0)),
+    lambda u: attacks.sign_flip(np.stack([u, u])),
+    lambda u: attacks.ipm(u, eps=1.0),
+])
+def test_bad_arguments_are_refused(call, honest) -> None:
+    with pytest.raises(ValueError):
+        call(honest[0])
