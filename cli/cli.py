@@ -381,6 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, ClientConfig, title="client")
     add_arguments(p, TaskConfig, title="task")
     p.set_defaults(fn=cmd_client)
+
+    from murmura.simulation.cli import add_parser as add_simulate
+
+    add_simulate(sub)  # murmura simulate: same [task]/[server] config, virtual clock
     return parser
 
 

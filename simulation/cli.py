@@ -1,0 +1,104 @@
+"""``murmura simulate``: the command, and the same thing from Python for a config file.
+
+The config file is ``murmura run``'s: ``[task]`` and ``[server]`` mean the same, ``[simulation]``
+configures the virtual clients (see :class:`SimulationConfig`), and ``[run]`` is ignored except
+that its ``clients`` is the default number of virtual clients. Flags override the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from murmura.config import add_arguments, build, read_toml
+from murmura.progress import Progress
+from murmura.server import ServerConfig
+from murmura.simulation.api import simulate
+from murmura.simulation.config import SimulationConfig
+from murmura.simulation.engine import SimulationResult
+from murmura.tasks import TaskConfig
+
+DESCRIPTION = (
+    "Simulate a federation of virtual clients on this machine: the real aggregator policies, "
+    "aggregation rules, codecs and trainers, with an in-memory transport and a virtual clock "
+    "(device speed, bandwidth, latency and availability per client). Writes metrics.jsonl, "
+    "summary.json and plots to --out, with time_s in virtual seconds.")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add ``simulate`` to the ``murmura`` command's subparsers."""
+    p = subparsers.add_parser("simulate", help="thousands of virtual clients in virtual time",
+                              description=DESCRIPTION)
+    p.add_argument("--config", help="TOML file with [task], [server], [simulation] tables "
+                   "(murmura run's file works as it is)")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    p.add_argument("-q", "--quiet", action="count", default=0)
+    add_arguments(p, SimulationConfig, title="simulation")
+    add_arguments(p, TaskConfig, title="task")
+    add_arguments(p, ServerConfig, title="server", skip=("address",))
+    p.set_defaults(fn=cmd_simulate)
+
+
+def load_configs(toml: dict[str, Any], args: argparse.Namespace | None = None
+                 ) -> tuple[TaskConfig, ServerConfig, SimulationConfig, bool]:
+    """(task, server, simulation, whether min_clients was given) from a TOML dict and flags."""
+    table = dict(toml.get("simulation", {}))
+    run = toml.get("run", {})
+    if "clients" not in table and "clients" in run:
+        table["clients"] = run["clients"]
+    sim = build(SimulationConfig, table, args, section="simulation")
+    task = build(TaskConfig, toml.get("task"), args, section="task")
+    server = build(ServerConfig, toml.get("server"), args, section="server")
+    given_min = (args is not None and getattr(args, "min_clients", None) is not None) \
+        or "min_clients" in toml.get("server", {})
+    return task, server, sim, given_min
+
+
+def simulate_file(path: str | Path, **overrides: Any) -> SimulationResult:
+    """Run ``murmura simulate --config PATH`` from Python; ``overrides`` are flag values by
+    field name (e.g. ``clients=1000, max_versions=5``)."""
+    args = argparse.Namespace(**overrides)
+    task, server, sim, given_min = load_configs(read_toml(path), args)
+    return simulate(task, server, sim, wait_for_all_clients=not given_min)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    level = logging.WARNING - 10 * args.verbose + 10 * args.quiet
+    logging.basicConfig(level=max(level, logging.DEBUG), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    task, server, sim, given_min = load_configs(read_toml(args.config), args)
+    print(f"murmura simulate: {sim.clients} virtual clients, mode={server.mode}, "
+          f"task={task.task}, codec={server.train.codec}, speed spread {sim.speed_spread:g}x, "
+          f"availability={sim.availability}, out={sim.out}", file=sys.stderr)
+    progress = Progress(server.max_versions)
+    try:
+        result = simulate(task, server, sim, wait_for_all_clients=not given_min,
+                          progress=progress.update)
+    finally:
+        progress.close()
+    s, stats = result.summary, result.summary["simulation"]
+    acc = s.get("final_accuracy")
+    print(f"execution: {stats['execution']}")
+    if acc is None:
+        print("no version was published")
+    else:
+        print(f"final test accuracy {acc:.4f} after {s['versions']} versions "
+              f"({s['updates']} updates, {s['bytes_up'] / 1e6:.2f} MB up) in "
+              f"{result.virtual_s:.1f} virtual s ({result.wall_s:.1f} s wall, "
+              f"{stats['updates_per_wall_s'] or 0:.0f} client updates/s)")
+    plots = "accuracy.png" + (", staleness.png" if (Path(sim.out) / "staleness.png").exists()
+                              else "")
+    print(f"results: {sim.out}/metrics.jsonl, {sim.out}/summary.json, {sim.out}/{{{plots}}}")
+    if not stats["done"]:
+        reason = ("max_time_s reached" if sim.max_time_s and result.virtual_s >= sim.max_time_s
+                  else "no client could make progress")
+        print(f"run did not reach max_versions: {reason} at version {result.version}",
+              file=sys.stderr)
+        return 0 if sim.max_time_s and result.virtual_s >= sim.max_time_s else 1
+    return 0
+
+
+__all__ = ["add_parser", "cmd_simulate", "load_configs", "simulate_file"]

@@ -1,0 +1,592 @@
+"""The discrete-event engine: virtual clients driving the real aggregator core in virtual time.
+
+Each client follows the loop of :class:`~murmura.client.ClientRuntime` (join, ask for a task,
+pull, train, encode, push, ask again), and each step is an event at the virtual time it would
+happen on its device and link:
+
+* a request reaches the server one latency after it is sent; the answer is back one latency
+  later, so consecutive requests are two latencies apart;
+* a pull adds the model's wire bytes over the downlink; a push adds the update's wire bytes
+  over the uplink (the bytes the gRPC transport would send, see :mod:`.wire`);
+* training takes ``steps x seconds-per-step`` of the client's device;
+* an unanswered task request is a long poll: the server holds it until its answer changes (a
+  round opens, the run ends), as the gRPC servicer does;
+* going offline loses the work in progress; coming back online joins again.
+
+At each server-side event the engine calls the same :class:`~murmura.server.AggregatorCore`
+methods the gRPC servicer calls (``join``, ``task``, ``model``, ``precheck`` + ``push``,
+``leave``, ``tick`` at the policy's deadline), with the core's clock set to the virtual clock,
+so sync rounds, FedBuff buffers, staleness, deadlines and refusals come out of the event order
+exactly as they would from the network.
+
+Training is lazy and batched: a client's update depends only on (global vector, data, seed),
+all known when it pulls, so the engine queues the job and computes every queued job at once
+when the first result is needed. That batch is what the vectorised executor trains together.
+Idle clients hold no model: per client there is an id, a session, an index array into the
+shared data, a few numbers in arrays, and an encoder only when the codec keeps state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+import uuid
+from array import array
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from murmura.client import delta_of
+from murmura.protocols import (
+    Action,
+    DeviceProfile,
+    Encoder,
+    FlatVector,
+    ModelSpec,
+    TaskSettings,
+    UpdateHeader,
+    create_codec,
+)
+from murmura.server import (
+    AggregatorCore,
+    RunRecorder,
+    ServerConfig,
+    ServiceError,
+    evaluator_for,
+)
+from murmura.simulation.clock import EventQueue, VirtualClock
+from murmura.simulation.config import SimulationConfig
+from murmura.simulation.data import SimulationData, load_simulation_data
+from murmura.simulation.devices import (
+    AlwaysOn,
+    Availability,
+    Churn,
+    DevicePopulation,
+    TraceAvailability,
+)
+from murmura.simulation.execution import (
+    Executor,
+    Job,
+    LoopExecutor,
+    PoolExecutor,
+    default_workers,
+)
+from murmura.simulation.vectorised import VectorisationError, VectorisedExecutor
+from murmura.simulation.wire import ModelWire, update_wire_bytes
+from murmura.tasks import TaskConfig
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "checkpoint.npz"
+#: Codecs whose encoders keep no state: one encoder serves every client.
+STATELESS_CODECS = frozenset({"dense-f32", "dense-f16"})
+
+
+# event kinds
+_ONLINE, _OFFLINE, _JOIN, _TASK, _PULL, _DONE, _PUSH, _TICK = range(8)
+# events after which the core's state is as it was (a pull only reads the model)
+_LOCAL = frozenset((_ONLINE, _PULL, _DONE))
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A client's task in progress: from its TRAIN answer to its push."""
+
+    round: int
+    seed: int
+    version: int = -1
+    params: FlatVector | None = None      # the global vector it trains from (shared)
+    payload: bytearray | None = None
+    num_examples: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    header: UpdateHeader | None = None
+    wire: int = 0
+
+
+@dataclass
+class SimulationResult:
+    """What a simulation produced: the summary (as in summary.json) and the final model."""
+
+    summary: dict[str, Any]
+    params: FlatVector
+    version: int
+    rows: list[dict[str, Any]]
+    execution_path: str
+    virtual_s: float
+    wall_s: float
+    staleness: dict[int, int]
+    out_dir: Path | None = None
+
+    @property
+    def final_accuracy(self) -> float | None:
+        return self.summary.get("final_accuracy")
+
+
+def client_id(index: int) -> str:
+    """The id ``murmura run`` gives client ``index`` (so sorted cohorts agree)."""
+    return f"client-{index:03d}"
+
+
+class Simulation:
+    """One simulated federation: the aggregator core, the virtual clients and the clock.
+
+    Build it, then :meth:`run` (or :meth:`advance` step by step and :meth:`finish`).
+    ``out_dir`` defaults to ``sim.out``; pass ``None`` to write nothing.
+    """
+
+    def __init__(self, task: TaskConfig, server: ServerConfig, sim: SimulationConfig, *,
+                 data: SimulationData | None = None, executor: Executor | None = None,
+                 out_dir: str | Path | None | bool = True, evaluate: bool = True,
+                 progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.task_config, self.server_config, self.sim = task, server, sim
+        self.data = data if data is not None else load_simulation_data(task, sim)
+        n = sim.clients
+        if len(self.data.shares) != n:
+            raise ValueError(f"the data is split for {len(self.data.shares)} clients, the "
+                             f"simulation has {n}")
+        self.out_dir = Path(sim.out) if out_dir is True else (Path(out_dir) if out_dir else None)
+        self.progress = progress
+        self.clock = VirtualClock()
+        self.core = self._build_core(evaluate)
+        self.spec: ModelSpec = self.core.spec
+        self.settings: TaskSettings = self.core.config.train
+        self.devices = self._devices()
+        self.availability = self._availability()
+        # per-client state: a few arrays and strings, no models
+        self.ids = [client_id(i) for i in range(n)]
+        self.sessions = [""] * n
+        self.gen = array("q", bytes(8 * n))       # bumped when a client goes offline
+        self.online = array("b", bytes(n))
+        sizes = self.data.sizes()
+        b = self.settings.batch_size
+        self.steps = (np.full(n, self.settings.local_steps, dtype=np.int64)
+                      if self.settings.local_steps
+                      else self.settings.local_epochs * ((sizes + b - 1) // b))
+        # the hot loop reads per-client numbers from flat arrays (8 bytes per client each)
+        self._latency = array("d", self.devices.latency_s.tolist())
+        self._compute_s = array("d", (self.steps * self.devices.step_time_s).tolist())
+        self._down = array("d", self.devices.downlink_bytes_per_s.tolist())
+        self._up = array("d", self.devices.uplink_bytes_per_s.tolist())
+        self.flights: dict[int, _Flight] = {}
+        self.waiting: dict[int, None] = {}
+        self._pending: list[int] = []
+        self._encoders: dict[int, Encoder] = {}
+        codec = create_codec(self.settings.codec, self.settings.codec_options)
+        self._codec = codec
+        self._shared_encoder = (codec.encoder(self.spec.size)
+                                if self.settings.codec in STATELESS_CODECS else None)
+        self.model_wire = ModelWire(self.spec)
+        self.queue: EventQueue[tuple[int, int, int]] = EventQueue()
+        self._ticks: set[float] = set()
+        self._sig: tuple[Any, ...] = ()
+        self._started = False
+        self._update_seq = 0
+        self._last_version = self.core.version
+        self.rows: list[dict[str, Any]] = []
+        # counters
+        self.events = 0
+        self.batches = 0
+        self.batched_jobs = 0
+        self.train_wall_s = 0.0
+        self.lost = 0
+        self.refused: Counter[str] = Counter()
+        self.staleness: Counter[int] = Counter()
+        self.executor = executor or self._choose_executor()
+        self.execution_path = self.executor.path
+        self._wall = 0.0
+        log.info("simulation: %d clients, execution: %s", n, self.executor.describe())
+
+    # -- construction --------------------------------------------------------------------
+
+    def _build_core(self, evaluate: bool) -> AggregatorCore:
+        # As murmura.server.build_core, with the virtual clock.
+        server, task = self.server_config, self.data.task
+        model = task.build_model(seed=server.seed)
+        spec = ModelSpec.from_module(model)
+        recorder = checkpoint = None
+        if self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            metrics = self.out_dir / "metrics.jsonl"
+            if metrics.exists():
+                metrics.unlink()  # a new run starts a new metrics file, as murmura run does
+            recorder = RunRecorder(self.out_dir, config={
+                "server": dataclasses.asdict(server), "task": dataclasses.asdict(self.task_config),
+                "simulation": dataclasses.asdict(self.sim), "data": self.data.source})
+            if self.sim.checkpoint:
+                checkpoint = self.out_dir / CHECKPOINT_NAME
+        evaluator = evaluator_for(task.model_factory, spec, task.test) if evaluate else None
+        return AggregatorCore(server, spec, spec.flatten(model), evaluator=evaluator,
+                              clock=self.clock, recorder=recorder, checkpoint_path=checkpoint)
+
+    def _devices(self) -> DevicePopulation:
+        s = self.sim
+        if s.device_trace:
+            return DevicePopulation.from_trace(s.device_trace, s.clients,
+                                               uplink_mbps=s.uplink_mbps,
+                                               downlink_mbps=s.downlink_mbps,
+                                               latency_ms=s.latency_ms)
+        return DevicePopulation.sample(s.clients, seed=self.server_config.seed,
+                                       step_time_s=s.step_time_s, speed_spread=s.speed_spread,
+                                       uplink_mbps=s.uplink_mbps, downlink_mbps=s.downlink_mbps,
+                                       latency_ms=s.latency_ms,
+                                       bandwidth_spread=s.bandwidth_spread)
+
+    def _availability(self) -> Availability:
+        s = self.sim
+        if s.availability == "always":
+            return AlwaysOn()
+        if s.availability == "churn":
+            return Churn(s.clients, mean_online_s=s.mean_online_s,
+                         mean_offline_s=s.mean_offline_s, seed=self.server_config.seed)
+        return TraceAvailability.from_file(s.availability)
+
+    def _choose_executor(self) -> Executor:
+        s, d = self.sim, self.data
+        factory, train, shares = d.task.model_factory, d.train, d.shares
+        workers = s.workers or default_workers()
+        if s.vectorise != "off":
+            try:
+                ex = VectorisedExecutor(factory, train, shares, chunk_size=s.chunk_size)
+                self.probe_note = ex.probe(self.settings)
+                return ex
+            except VectorisationError as exc:
+                if s.vectorise == "on":
+                    raise ValueError(f"vectorise='on' but the model can't be vectorised: "
+                                     f"{exc}") from exc
+                log.warning("vectorised training is not possible for this model (%s); "
+                            "falling back to %s", exc, "a process pool" if workers > 1
+                            else "a plain loop")
+                self.probe_note = f"vmap unavailable: {exc}"
+        else:
+            self.probe_note = "vectorise='off'"
+        if workers > 1:
+            return PoolExecutor(factory, train, shares, workers=workers)
+        return LoopExecutor(factory, train, shares)
+
+    # -- the event loop ------------------------------------------------------------------
+
+    def _schedule(self, t: float, kind: int, c: int) -> None:
+        self.queue.push_trusted(t, (kind, c, self.gen[c]))
+
+    def _start(self) -> None:
+        self._started = True
+        for c in range(self.sim.clients):
+            online, t = self.availability.initial(c)
+            if online:
+                self._schedule(0.0, _ONLINE, c)
+            elif math.isfinite(t):
+                self._schedule(t, _ONLINE, c)
+        self._sig = self._signature()
+
+    def advance(self, until_s: float = math.inf) -> bool:
+        """Process events up to virtual time ``until_s``; False once the run is over."""
+        threads = self.sim.threads or default_workers()
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        try:
+            if not self._started:
+                self._start()
+            limit = min(until_s, self.sim.max_time_s or math.inf)
+            handlers = (self._on_online, self._on_offline, self._on_join, self._on_task,
+                        self._on_pull, self._on_done, self._on_push)
+            queue, clock, core, generation = self.queue, self.clock, self.core, self.gen
+            events = 0
+            while queue and not core.done:
+                if queue.peek_time() > limit:
+                    if math.isfinite(limit):
+                        clock.advance_to(max(limit, clock.now))
+                    self.events += events
+                    return not (limit >= (self.sim.max_time_s or math.inf))
+                t, (kind, c, gen) = queue.pop()
+                clock.advance_to(t)
+                events += 1
+                if kind == _TICK:
+                    self._ticks.discard(t)
+                    core.tick()
+                elif gen == generation[c]:
+                    handlers[kind](c)
+                    if kind in _LOCAL:
+                        continue  # the core's state did not change
+                else:
+                    continue  # the client went offline since this event was scheduled
+                self._after_event()
+            self.events += events
+            if not self.core.done and not self.queue:
+                log.warning("simulation stalled at t=%.1fs: no client can make progress",
+                            self.clock.now)
+            return False
+        finally:
+            self._wall += time.perf_counter() - t0
+            torch.set_num_threads(previous)
+
+    def _signature(self) -> tuple[Any, ...]:
+        core, policy = self.core, self.core.policy
+        is_open = getattr(policy, "open", None)
+        return (core.version, core.done, getattr(policy, "round", 0), is_open,
+                len(core.sessions) if not is_open else -1)
+
+    def _after_event(self) -> None:
+        core = self.core
+        if core.version != self._last_version:
+            self._last_version = core.version
+            if self.out_dir is None:
+                self.rows.append(dict(core.last_metrics))
+            if self.progress is not None:
+                self.progress(core.last_metrics)
+        sig = self._signature()
+        if sig != self._sig:
+            self._sig = sig
+            if self.waiting:
+                self._wake()
+                self._sig = self._signature()
+        deadline = getattr(core.policy, "deadline", math.inf)
+        if getattr(core.policy, "open", False) and math.isfinite(deadline) \
+                and deadline not in self._ticks:
+            self._ticks.add(deadline)
+            self.queue.push(max(deadline, self.clock.now), (_TICK, -1, 0))
+
+    def _wake(self) -> None:
+        """The held long polls see a changed state: each asks the core again."""
+        waiting = sorted(self.waiting)
+        self.waiting.clear()
+        for c in waiting:
+            self._serve_task(c)
+
+    # -- client events -------------------------------------------------------------------
+
+    def _lat(self, c: int) -> float:
+        return self._latency[c]
+
+    def _on_online(self, c: int) -> None:
+        self.online[c] = 1
+        t = self.availability.next_transition(c, self.clock.now, True)
+        if math.isfinite(t):
+            self._schedule(t, _OFFLINE, c)
+        self._schedule(self.clock.now + self._lat(c), _JOIN, c)
+
+    def _on_offline(self, c: int) -> None:
+        self.online[c] = 0
+        self.gen[c] += 1  # every event already scheduled for this client is void
+        if self.flights.pop(c, None) is not None:
+            self.lost += 1
+        self.waiting.pop(c, None)
+        if self.sim.dropout == "leave" and self.sessions[c]:
+            try:
+                self.core.leave(self.sessions[c])
+            except ServiceError:
+                pass
+            self.sessions[c] = ""
+        t = self.availability.next_transition(c, self.clock.now, False)
+        if math.isfinite(t):
+            self._schedule(t, _ONLINE, c)
+
+    def _on_join(self, c: int) -> None:
+        profile = DeviceProfile(device="cpu", device_name="simulated",
+                                steps_per_s=1.0 / float(self.devices.step_time_s[c]))
+        try:
+            result = self.core.join(self.ids[c], profile)
+        except ServiceError as exc:
+            self.refused[exc.status] += 1
+            log.warning("%s could not join: %s", self.ids[c], exc)
+            return
+        self.sessions[c] = result.session
+        self._schedule(self.clock.now + 2 * self._lat(c), _TASK, c)
+
+    def _on_task(self, c: int) -> None:
+        self._serve_task(c)
+
+    def _serve_task(self, c: int) -> None:
+        try:
+            task = self.core.task(self.sessions[c])
+        except ServiceError as exc:
+            self._refused(c, exc)
+            return
+        if task.action == Action.TRAIN:
+            self.flights[c] = _Flight(round=task.round, seed=task.seed)
+            self._schedule(self.clock.now + 2 * self._lat(c), _PULL, c)
+        elif task.action == Action.WAIT:
+            self.waiting[c] = None
+        elif self.sessions[c]:  # STOP: the client leaves
+            try:
+                self.core.leave(self.sessions[c])
+            except ServiceError:
+                pass
+            self.sessions[c] = ""
+
+    def _refused(self, c: int, exc: ServiceError) -> None:
+        self.refused[exc.status] += 1
+        self.flights.pop(c, None)
+        if exc.status == "UNAUTHENTICATED":  # session lost: join again, as the runtime does
+            self.sessions[c] = ""
+            self._schedule(self.clock.now + self._lat(c), _JOIN, c)
+        else:
+            self._schedule(self.clock.now + 2 * self._lat(c), _TASK, c)
+
+    def _on_pull(self, c: int) -> None:
+        flight = self.flights[c]
+        try:
+            version, params = self.core.model(self.sessions[c])
+        except ServiceError as exc:
+            self._refused(c, exc)
+            return
+        nbytes = self.model_wire(version)
+        self.core.add_download(nbytes)
+        flight.version, flight.params = version, params
+        self._pending.append(c)
+        t = self.clock.now + self._latency[c] + nbytes / self._down[c] + self._compute_s[c]
+        self._schedule(t, _DONE, c)
+
+    def _on_done(self, c: int) -> None:
+        flight = self.flights[c]
+        if flight.payload is None:
+            self._train_pending()
+        assert flight.payload is not None
+        self._update_seq += 1
+        flight.header = UpdateHeader(
+            session=self.sessions[c], update_id=f"{self._update_seq:032x}",
+            base_version=flight.version, round=flight.round,
+            num_examples=flight.num_examples, codec=self.settings.codec,
+            payload_bytes=len(flight.payload), metrics=flight.metrics,
+            spec_fingerprint=self.core.fingerprint)
+        flight.wire = update_wire_bytes(flight.header)
+        t = self.clock.now + self._latency[c] + flight.wire / self._up[c]
+        self._schedule(t, _PUSH, c)
+
+    def _on_push(self, c: int) -> None:
+        flight = self.flights.pop(c)
+        assert flight.header is not None and flight.payload is not None
+        try:
+            self.core.precheck(flight.header)  # the servicer refuses on the header alone
+            result = self.core.push(flight.header, memoryview(flight.payload),
+                                    wire_bytes=flight.wire)
+        except ServiceError as exc:
+            self._refused(c, exc)
+            return
+        if not result.duplicate:
+            self.staleness[result.staleness] += 1
+        self._schedule(self.clock.now + 2 * self._lat(c), _TASK, c)
+
+    # -- training ------------------------------------------------------------------------
+
+    def _encoder(self, c: int) -> Encoder:
+        if self._shared_encoder is not None:
+            return self._shared_encoder
+        enc = self._encoders.get(c)
+        if enc is None:  # seeded as ClientRuntime seeds it, from the client id
+            seed = int.from_bytes(uuid.uuid5(uuid.NAMESPACE_OID, self.ids[c]).bytes[:4], "big")
+            enc = self._encoders[c] = self._codec.encoder(self.spec.size, seed=seed)
+        return enc
+
+    def _train_pending(self) -> None:
+        """Train every queued job in one batch, then encode each client's update."""
+        clients = [c for c in dict.fromkeys(self._pending)
+                   if c in self.flights and self.flights[c].payload is None
+                   and self.flights[c].params is not None]
+        self._pending = []
+        if not clients:
+            return
+        jobs = [Job(c, self.flights[c].params, self.flights[c].seed)  # type: ignore[arg-type]
+                for c in clients]
+        t0 = time.perf_counter()
+        results = self.executor.run(jobs, self.settings)
+        self.train_wall_s += time.perf_counter() - t0
+        self.batches += 1
+        self.batched_jobs += len(jobs)
+        for c, job, r in zip(clients, jobs, results, strict=True):
+            flight = self.flights[c]
+            update = delta_of(r.params, job.params)
+            # a writable buffer, as the gRPC servicer hands the core (memoryview of a bytearray)
+            flight.payload = bytearray(self._encoder(c).encode(update))
+            flight.num_examples = r.num_examples
+            flight.metrics = dict(r.metrics)
+            flight.params = None  # the global vector is no longer needed by this client
+
+    # -- the end -------------------------------------------------------------------------
+
+    def run(self) -> SimulationResult:
+        """Run to the end (``max_versions``, ``max_time_s``, or no possible progress)."""
+        self.advance()
+        return self.finish()
+
+    def stats(self) -> dict[str, Any]:
+        virtual = self.clock.now
+        updates = self.core.traffic.updates
+        return {
+            "clients": self.sim.clients,
+            "execution_path": self.execution_path,
+            "execution": self.executor.describe(),
+            "probe": getattr(self, "probe_note", ""),
+            "torch_threads": self.sim.threads or default_workers(),
+            "data": self.data.source,
+            "virtual_s": virtual,
+            "wall_s": self._wall,
+            "train_wall_s": self.train_wall_s,
+            "speedup_vs_real_time": virtual / self._wall if self._wall else None,
+            "updates": updates,
+            "updates_per_wall_s": updates / self._wall if self._wall else None,
+            "events": self.events,
+            "training_batches": self.batches,
+            "mean_batch": self.batched_jobs / self.batches if self.batches else 0.0,
+            "lost_to_dropout": self.lost,
+            "refused": dict(self.refused),
+            "staleness_histogram": {str(k): v for k, v in sorted(self.staleness.items())},
+            "done": self.core.done,
+        }
+
+    def finish(self, *, plot: bool = True) -> SimulationResult:
+        """Write summary.json and the plots (when there is an output directory)."""
+        self.executor.close()
+        stats = self.stats()
+        recorder = self.core.recorder
+        if recorder is not None:
+            summary = recorder.finish({"wall_s": stats["wall_s"], "simulation": stats},
+                                      plot=plot)
+            rows = recorder.rows
+            if plot and (self.core.config.mode == "async" or len(self.staleness) > 1):
+                try:
+                    plot_staleness(self.staleness, recorder.out_dir / "staleness.png")
+                except Exception:  # a missing plot must not lose a finished run
+                    log.exception("could not draw the staleness histogram")
+        else:
+            rows = self.rows
+            last = rows[-1] if rows else {}
+            summary = {"versions": self.core.version, "final_accuracy": last.get("accuracy"),
+                       "final_loss": last.get("loss"), "time_s": last.get("time_s", 0.0),
+                       "updates": self.core.traffic.updates,
+                       "bytes_up": self.core.traffic.bytes_up,
+                       "bytes_down": self.core.traffic.bytes_down,
+                       "wall_s": stats["wall_s"], "simulation": stats}
+        return SimulationResult(summary=summary, params=self.core.params.copy(),
+                                version=self.core.version, rows=list(rows),
+                                execution_path=self.execution_path,
+                                virtual_s=stats["virtual_s"], wall_s=stats["wall_s"],
+                                staleness=dict(self.staleness), out_dir=self.out_dir)
+
+
+def plot_staleness(hist: dict[int, int] | Counter[int], path: Path) -> None:
+    """Bar chart: how many accepted updates had each staleness."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted(hist)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(keys, [hist[k] for k in keys], color="tab:blue")
+    ax.set_xlabel("staleness (versions behind when the update arrived)")
+    ax.set_ylabel("accepted updates")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+__all__ = ["Simulation", "SimulationResult", "client_id", "plot_staleness"]

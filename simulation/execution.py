@@ -1,0 +1,176 @@
+"""How simulated clients' local training runs: in a plain loop, or in a process pool.
+
+Every executor takes a batch of :class:`Job` (which client, which global vector, which seed)
+and returns each client's trained model. The loop and the pool run the deployment's own
+:class:`~murmura.client.TorchTrainer` on each client's share of the data, so their updates are
+bit-identical to what a gRPC client computes from the same (parameters, settings, seed). The
+vectorised executor (:mod:`murmura.simulation.vectorised`) trains many clients at once instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import nn
+
+from murmura.client import TorchTrainer
+from murmura.protocols import FlatVector, TaskSettings
+from murmura.tasks import ArrayDataset
+
+log = logging.getLogger(__name__)
+
+Index = npt.NDArray[np.int64]
+ModelFactory = Callable[[], nn.Module]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One client's local training: start from ``params`` (shared, never modified)."""
+
+    client: int
+    params: FlatVector
+    seed: int
+
+
+@dataclass
+class JobResult:
+    """The client's trained model and what its trainer reports."""
+
+    params: FlatVector
+    num_examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Executor(ABC):
+    """Runs batches of jobs. ``path`` names the execution path for logs and summaries."""
+
+    path: str = ""
+
+    @abstractmethod
+    def run(self, jobs: Sequence[Job], settings: TaskSettings) -> list[JobResult]:
+        """Train every job; results in the order of ``jobs``."""
+
+    def describe(self) -> str:
+        return self.path
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release workers."""
+
+
+class LoopExecutor(Executor):
+    """One :class:`TorchTrainer` per job, one after another, sharing one model object.
+
+    Exactly the trainer a ``murmura client`` runs: the same batches, the same optimizer, the
+    same float operations; only the data share changes from job to job.
+    """
+
+    path = "loop"
+
+    def __init__(self, model_factory: ModelFactory, train: ArrayDataset,
+                 shares: Sequence[Index]) -> None:
+        self.model = model_factory()
+        self.train = train
+        self.shares = shares
+
+    def run_one(self, job: Job, settings: TaskSettings) -> JobResult:
+        data = self.train.subset(self.shares[job.client])
+        trainer = TorchTrainer(self.model, data, device="cpu")
+        result = trainer.train(job.params, settings, seed=job.seed)
+        assert result.params is not None
+        return JobResult(result.params, result.num_examples, dict(result.metrics))
+
+    def run(self, jobs: Sequence[Job], settings: TaskSettings) -> list[JobResult]:
+        return [self.run_one(job, settings) for job in jobs]
+
+    def describe(self) -> str:
+        return "loop (TorchTrainer, one client at a time)"
+
+
+# -- process pool ----------------------------------------------------------------------------
+
+_WORKER: LoopExecutor | None = None
+
+
+def _init_worker(model_factory: ModelFactory, train: ArrayDataset,
+                 shares: Sequence[Index], threads: int) -> None:
+    global _WORKER
+    torch.set_num_threads(threads)
+    _WORKER = LoopExecutor(model_factory, train, shares)
+
+
+def _run_in_worker(batch: list[tuple[int, int, int]], vectors: dict[int, FlatVector],
+                   settings: TaskSettings) -> list[tuple[FlatVector, int, dict[str, float]]]:
+    assert _WORKER is not None, "worker was not initialised"
+    out = []
+    for client, key, seed in batch:
+        r = _WORKER.run_one(Job(client, vectors[key], seed), settings)
+        out.append((r.params, r.num_examples, r.metrics))
+    return out
+
+
+class PoolExecutor(Executor):
+    """The loop, split over worker processes (forked, one torch thread each).
+
+    For models the vectorised path can't run. Each worker holds its own model and reads the
+    training data inherited from this process at fork time; jobs travel as (client, seed) plus
+    the distinct global vectors they start from.
+    """
+
+    path = "pool"
+
+    def __init__(self, model_factory: ModelFactory, train: ArrayDataset,
+                 shares: Sequence[Index], *, workers: int, threads_per_worker: int = 1) -> None:
+        if workers < 2:
+            raise ValueError(f"a process pool needs at least 2 workers, got {workers}")
+        import multiprocessing as mp
+
+        self.workers = workers
+        ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+        self._pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                         initargs=(model_factory, train, shares,
+                                                   threads_per_worker))
+
+    def run(self, jobs: Sequence[Job], settings: TaskSettings) -> list[JobResult]:
+        if not jobs:
+            return []
+        keys: dict[int, int] = {}
+        vectors: dict[int, FlatVector] = {}
+        items = []
+        for job in jobs:
+            key = keys.setdefault(id(job.params), len(keys))
+            vectors[key] = job.params
+            items.append((job.client, key, job.seed))
+        per = max(1, -(-len(items) // (self.workers * 4)))
+        futures = []
+        for start in range(0, len(items), per):
+            batch = items[start:start + per]
+            needed = {k: vectors[k] for _, k, _ in batch}
+            futures.append(self._pool.submit(_run_in_worker, batch, needed, settings))
+        results: list[JobResult] = []
+        for fut in futures:
+            results += [JobResult(p, n, m) for p, n, m in fut.result()]
+        return results
+
+    def describe(self) -> str:
+        return f"pool ({self.workers} worker processes running TorchTrainer, 1 thread each)"
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+__all__ = ["Executor", "Job", "JobResult", "LoopExecutor", "PoolExecutor", "default_workers"]
