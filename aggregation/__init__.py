@@ -31,7 +31,6 @@ from murmura.aggregation.robust import (
     MultiKrum,
     TrimmedMean,
 )
-from murmura.aggregation.sybil import RobustDefault, SybilMean, SybilWeighting
 from murmura.aggregation.staleness import (
     Constant,
     Hinge,
@@ -39,6 +38,7 @@ from murmura.aggregation.staleness import (
     StalenessFn,
     staleness_function,
 )
+from murmura.aggregation.sybil import RobustDefault, SybilMean, SybilWeighting
 
 __all__ = [
     "AdaptiveClipping",

@@ -51,8 +51,8 @@ class WeightedMean(Aggregator):
     """sum_i w_i f_i u_i / sum_i w_i, in one float32 accumulator.
 
     The accumulate step is one fused multiply-add over the vector (torch ``add_`` with
-    ``alpha``, single-threaded), which runs at memory bandwidth; memory stays O(model) whatever the number of
-    updates. Float32 summation depends on the order of the updates; callers that need
+    ``alpha``, single-threaded), which runs at memory bandwidth; memory stays O(model) whatever
+    the number of updates. Float32 summation depends on the order of the updates; callers that need
     bit-identical reruns add them in a fixed order (the sync policy does).
     """
 

@@ -15,4 +15,5 @@ def rng() -> np.random.Generator:
 @pytest.fixture
 def tiny_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3),
+                               torch.nn.Linear(3, 2))

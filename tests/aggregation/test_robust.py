@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -258,6 +259,17 @@ def test_centered_clip_moves_at_most_tau_per_iteration_whatever_the_attacker_sen
                                     tau_scale=2.0, iterations=3)
     assert tau == 1.0
     assert np.linalg.norm(out) <= 3 * 1.0 / 10 + 1e-6
+
+
+def test_centered_clip_distances_stay_exact_for_updates_next_to_the_centre() -> None:
+    rng = np.random.default_rng(11)
+    centre = rng.standard_normal(5000).astype(np.float32)
+    x = (centre + 1e-4 * rng.standard_normal((6, 5000))).astype(np.float32)
+    x[0] = 3 * centre  # one row far away takes the fast path
+
+    got = robust._distances_to(torch.from_numpy(x), centre, np.ones(6), robust.row_norms(x))
+    want = np.linalg.norm(x.astype(np.float64) - centre, axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
 def test_centered_clip_keeps_its_centre_across_reset() -> None:
