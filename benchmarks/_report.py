@@ -425,20 +425,24 @@ def _atomic_write(path: Path, text: str) -> None:
 def update_section(name: str, body: str, path: Path = RESULTS_MD) -> None:
     """Replace ``name``'s section of RESULTS.md (or append it), leaving the rest untouched.
 
-    Holds an exclusive lock so benchmarks finishing at the same time do not lose sections.
+    Holds an exclusive lock on the file itself while it reads and rewrites it in place, so
+    benchmarks finishing at the same time do not lose each other's sections.
     """
     begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
     section = f"{begin}\n{body.rstrip()}\n{end}"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        text = path.read_text() if path.exists() else RESULTS_MD_HEADER
+    with open(path, "a+", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        f.seek(0)
+        text = f.read() or RESULTS_MD_HEADER
         pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
         if pattern.search(text):
             text = pattern.sub(lambda _: section, text, count=1)
         else:
             text = text.rstrip("\n") + "\n\n" + section + "\n"
-        _atomic_write(path, text)
+        f.seek(0)
+        f.truncate()
+        f.write(text)
 
 
 def pyplot() -> Any:

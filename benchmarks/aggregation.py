@@ -152,8 +152,8 @@ def murmura_case(inp: Inputs) -> Callable[[], Any]:
 
 
 def murmura_one_thread_case(inp: Inputs) -> Callable[[], Any]:
-    """Diagnostic: WeightedMean with torch's intra-op parallelism off (its add_ otherwise
-    splits every update over all cores, and waits for the slowest when they are busy)."""
+    """Diagnostic: WeightedMean with torch's intra-op parallelism off for the whole process
+    (a multi-threaded add_ splits every update over all cores and waits for the slowest)."""
     import torch
 
     run_ours = murmura_case(inp)
@@ -371,13 +371,14 @@ def main(argv: list[str] | None = None) -> int:
                          f"{ours_mem['model_mb']:.0f} MB model")
     threads = report.machine.get("torch_threads")
     report.note(
-        f"WeightedMean folds each update with torch `add_`, which splits it over torch's "
-        f"{threads} intra-op threads. The diagnostic row runs the same code on one thread: "
+        f"Diagnostic: the last row runs the same WeightedMean code with torch limited to one "
+        f"thread for the whole process (torch has {threads} intra-op threads here): "
         + "; ".join(f"at P = {p / 1e6:g}M {speed(p, OURS_1T) / speed(p, ROOF):.2f} of the "
-                    f"roofline (best) against {speed(p, OURS) / speed(p, ROOF):.2f} with "
-                    f"{threads}" for p in plan.sizes)
-        + ". Compare the medians too: a split update waits for its slowest thread, so on a "
-        "busy machine the multi-threaded fold loses a scheduler slice per update.",
+                    f"roofline against {speed(p, OURS) / speed(p, ROOF):.2f} as shipped"
+                    for p in plan.sizes)
+        + ". A gap between the two means torch's intra-op threading is slowing the fold (a "
+        "split update waits for its slowest thread, which on a busy machine costs a "
+        "scheduler slice per update); compare the medians as well.",
         after_tables=True)
     plot(report, speed_rows)
     return report.finish(save=not args.no_save)

@@ -54,7 +54,6 @@ from murmura.protocols import (  # noqa: E402
     UpdateHeader,
     serde,  # noqa: E402
 )
-from murmura.protocols import murmura_pb2 as pb  # noqa: E402
 from murmura.server import AggregatorCore, ServerConfig, ServerThread  # noqa: E402
 from murmura.server.service import MAX_MESSAGE_BYTES  # noqa: E402
 
@@ -257,42 +256,42 @@ def time_pieces(core: AggregatorCore, server: ServerThread, ours: MurmuraClient,
                 payload: bytes, repeats: int) -> dict[str, list[float]]:
     """Time, each on its own, the work a push does beyond moving bytes (best of ``repeats``).
 
-    Each piece repeats what ``GrpcTransport.push`` or ``AggregatorServicer.Push`` does to the
-    whole payload; the raw peer does none of it (it sends and counts ``bytes``).
+    Each piece repeats, on the whole payload, a step of ``GrpcTransport.push`` or
+    ``AggregatorServicer.Push`` as they are now (payload chunks framed by ``serde`` and read
+    back as views, one join on the server); the raw peer only slices, sends and counts.
     """
-    chunks = list(serde.iter_update_chunks(ours.header(), payload, CHUNK))
-    wire = [c.SerializeToString() for c in chunks]
-    received = memoryview(bytearray(payload))  # the assembled buffer; the core only reads it
+    from murmura.aggregation import WeightedMean
 
-    def parse_and_read_data() -> None:
-        for w in wire[1:]:
-            chunk = pb.UpdateChunk.FromString(w)
-            len(chunk.data)  # the servicer reads .data twice; each read copies
-            chunk.data  # noqa: B018
+    items = list(serde.iter_update_items(ours.header(), payload, CHUNK))
+    frames = [serde.serialize_update_item(i) for i in items]
+    views = [v for v in map(serde.deserialize_update_item, frames[1:])
+             if isinstance(v, memoryview)]
+    if sum(len(v) for v in views) != len(payload):
+        raise AssertionError("payload frames did not read back as views")
+    joined = b"".join(views)
+    update = np.frombuffer(joined, dtype="<f4")
+    fold = WeightedMean(update.size)
+    fold.add(update, 1.0)  # touch the accumulator once, as a running server has
 
-    def assemble() -> None:
-        buf = bytearray(len(payload))
-        pos = 0
-        for c in chunks[1:]:
-            buf[pos:pos + len(c.data)] = c.data
-            pos += len(c.data)
+    def raw_slices() -> list[bytes]:
+        view = memoryview(payload)
+        return [bytes(view[s:s + CHUNK]) for s in range(0, len(view), CHUNK)]
 
-    update = np.frombuffer(payload, dtype="<f4")
     pieces: dict[str, Callable[[], Any]] = {
-        "client: header and payload into UpdateChunk messages (`iter_update_chunks`)":
-            lambda: list(serde.iter_update_chunks(ours.header(), payload, CHUNK)),
-        "client: protobuf serialisation of the chunks (gRPC calls `SerializeToString`)":
-            lambda: [c.SerializeToString() for c in chunks],
-        "`ByteSize()` of every chunk (paid twice: client `bytes_up`, servicer `wire`)":
-            lambda: sum(c.ByteSize() for c in chunks),
-        "server: protobuf parse of the chunks and two `.data` reads per chunk":
-            parse_and_read_data,
-        "server: `bytearray(payload_bytes)` receive buffer and copying the chunks in":
-            assemble,
-        "server: `AggregatorCore.push` on the assembled buffer (no gRPC)":
-            lambda: server.call(core.push, ours.header(), received),
-        "↳ of which `np.isfinite(update).all()`":
-            lambda: bool(np.isfinite(update).all()),
+        "raw client: slicing the payload into `bytes` chunks (for comparison)": raw_slices,
+        "client: framing the chunks (`iter_update_items` + `serialize_update_item`)":
+            lambda: [serde.serialize_update_item(i)
+                     for i in serde.iter_update_items(ours.header(), payload, CHUNK)],
+        "server: frames back to views (`deserialize_update_item`)":
+            lambda: [serde.deserialize_update_item(f) for f in frames[1:]],
+        "server: joining the views into one payload (`b\"\".join`)":
+            lambda: b"".join(views),
+        "server: `AggregatorCore.push` on the joined payload (no gRPC)":
+            lambda: server.call(core.push, ours.header(), joined),
+        "↳ of which the finite check (one `np.add.reduce` pass, as the core does it)":
+            lambda: np.add.reduce(update, dtype=np.float32),
+        "↳ of which `WeightedMean.add` (the fold)":
+            lambda: fold.add(update, 1.0),
     }
     times: dict[str, list[float]] = {k: [] for k in pieces}
     for _ in range(repeats):

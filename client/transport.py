@@ -119,32 +119,33 @@ class GrpcTransport(Transport):
         try:
             stream = self._pull(pb.PullRequest(session=session), timeout=self.timeout_s)
             header = None
-            parts: list[memoryview] = []
+            out = np.empty(0, dtype="<f4")
+            view = memoryview(b"")
             received = 0
             for item in stream:
                 if not isinstance(item, memoryview) and item.WhichOneof("kind") == "header":
                     header = item.header
+                    if header.payload_bytes % 4:
+                        raise RemoteError("DATA_LOSS",
+                                          f"a dense-f32 model of {header.payload_bytes} bytes")
+                    # writable, filled as chunks arrive (one copy, overlapping the transfer)
+                    out = np.empty(header.payload_bytes // 4, dtype="<f4")
+                    view = memoryview(out).cast("B")
                     continue
                 if header is None:
                     raise RemoteError("DATA_LOSS", "model stream began without a header")
                 data = item if isinstance(item, memoryview) else memoryview(item.data)
-                received += len(data)
-                if received > header.payload_bytes:
+                end = received + len(data)
+                if end > header.payload_bytes:
                     raise RemoteError("DATA_LOSS", "model stream is longer than announced")
-                parts.append(data)
+                view[received:end] = data
+                received = end
         except grpc.RpcError as exc:
             raise self._wrap(exc) from None
         if header is None or received != header.payload_bytes:
             raise RemoteError("DATA_LOSS", "model stream ended early")
         if header.codec != "dense-f32":
             raise RemoteError("UNIMPLEMENTED", f"model arrived in codec {header.codec!r}")
-        if received % 4:
-            raise RemoteError("DATA_LOSS", f"a dense-f32 model of {received} bytes")
-        out = np.empty(received // 4, dtype="<f4")  # writable, assembled with one copy
-        view, pos = memoryview(out).cast("B"), 0
-        for part in parts:
-            view[pos:pos + len(part)] = part
-            pos += len(part)
         return header.version, out.astype(np.float32, copy=False)
 
     def push(self, header: UpdateHeader, payload: bytes) -> PushResult:

@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
 
 from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols import murmura_pb2_grpc as pb_grpc
@@ -89,7 +90,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     async def Push(self, request_iterator: AsyncIterator[pb.UpdateChunk | memoryview],
                    context: grpc.aio.ServicerContext) -> pb.PushReply:
         header = None
-        parts: list[memoryview] = []
+        buf = memoryview(b"")
         received = wire = 0
         try:
             async for item in request_iterator:
@@ -101,14 +102,18 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                     wire += item.ByteSize()
                     header = serde.update_header_from_proto(item.header)
                     self.core.precheck(header)  # refuse before receiving a payload
+                    # Copy each chunk in as it arrives, overlapping the transfer; numpy's
+                    # large allocations fault in fewer pages than a fresh bytes object.
+                    buf = memoryview(np.empty(header.payload_bytes, np.uint8))
                 elif kind == "data":
                     data = item if isinstance(item, memoryview) else memoryview(item.data)
-                    received += len(data)
+                    end = received + len(data)
                     wire += serde.data_chunk_wire_bytes(len(data))
-                    if received > header.payload_bytes:
+                    if end > header.payload_bytes:
                         raise InvalidArgument(f"more payload than the {header.payload_bytes} "
                                               f"bytes the header announced")
-                    parts.append(data)
+                    buf[received:end] = data
+                    received = end
                 else:
                     raise InvalidArgument("a push carries exactly one header chunk")
             if header is None:
@@ -116,11 +121,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             if received != header.payload_bytes:
                 raise InvalidArgument(f"header announced {header.payload_bytes} payload bytes, "
                                       f"the stream carried {received}")
-            # One copy into a contiguous payload; a single chunk needs none.
-            payload = parts[0] if len(parts) == 1 else b"".join(parts)
-
-            parts.clear()
-            result = self.core.push(header, payload, wire_bytes=wire)
+            result = self.core.push(header, buf, wire_bytes=wire)
         except ServiceError as exc:
             log.info("push refused: %s %s", exc.status, exc.message)
             await self._abort(context, exc)
