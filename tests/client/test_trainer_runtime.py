@@ -7,45 +7,10 @@ import pytest
 import torch
 
 from murmura.client import ClientRuntime, FunctionTrainer, RemoteError, RetryPolicy, TorchTrainer
-from murmura.client.transport import Transport
 from murmura.protocols import ModelSpec, TaskSettings
-from murmura.server import AggregatorCore, ServerConfig, ServiceError
+from murmura.server import AggregatorCore, ServerConfig
 from murmura.tasks import TaskConfig, load_task
-
-
-class CoreTransport(Transport):
-    """Calls an AggregatorCore directly; can fail the next N calls with a status."""
-
-    def __init__(self, core: AggregatorCore) -> None:
-        self.core = core
-        self.failures: list[str] = []
-
-    def _maybe_fail(self) -> None:
-        if self.failures:
-            raise RemoteError(self.failures.pop(0), "injected")
-
-    def _call(self, fn, *args):
-        self._maybe_fail()
-        try:
-            return fn(*args)
-        except ServiceError as exc:
-            raise RemoteError(exc.status, exc.message) from None
-
-    def join(self, client_id, profile, token=""):
-        return self._call(self.core.join, client_id, profile), self.core.spec
-
-    def task(self, session, wait_s):
-        return self._call(self.core.task, session)
-
-    def pull(self, session):
-        version, params = self._call(self.core.model, session)
-        return version, params.copy()
-
-    def push(self, header, payload):
-        return self._call(self.core.push, header, payload)
-
-    def leave(self, session):
-        self._call(self.core.leave, session)
+from tests.client.core_transport import CoreTransport
 
 
 def linear_trainer() -> FunctionTrainer:

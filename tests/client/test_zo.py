@@ -9,43 +9,15 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from murmura.client import ClientRuntime, RemoteError, TorchTrainer, Transport
+from murmura.client import ClientRuntime, TorchTrainer
 from murmura.client.zo import SettingsTrainer, ZOTrainer, bind_flat, make_trainer
 from murmura.protocols import ModelSpec, TaskSettings, create_codec
 from murmura.protocols.codecs.seed import SeedCodec, replay
-from murmura.server import AggregatorCore, ServerConfig, ServiceError
+from murmura.server import AggregatorCore, ServerConfig
 from murmura.tasks import ArrayDataset, TaskConfig, evaluate, load_task
+from tests.client.core_transport import CoreTransport
 
-
-class RecordingTransport(Transport):
-    """Calls an AggregatorCore directly and keeps every pushed (header, payload)."""
-
-    def __init__(self, core: AggregatorCore) -> None:
-        self.core = core
-        self.pushes: list[tuple[object, bytes]] = []
-
-    def _call(self, fn, *args):
-        try:
-            return fn(*args)
-        except ServiceError as exc:
-            raise RemoteError(exc.status, exc.message) from None
-
-    def join(self, client_id, profile, token=""):
-        return self._call(self.core.join, client_id, profile), self.core.spec
-
-    def task(self, session, wait_s):
-        return self._call(self.core.task, session)
-
-    def pull(self, session):
-        version, params = self._call(self.core.model, session)
-        return version, params.copy()
-
-    def push(self, header, payload):
-        self.pushes.append((header, bytes(payload)))
-        return self._call(self.core.push, header, payload)
-
-    def leave(self, session):
-        self._call(self.core.leave, session)
+RecordingTransport = CoreTransport
 
 
 def sha256(vector: np.ndarray) -> str:
