@@ -141,7 +141,7 @@ class ClientLauncher:
         if self.run.in_process:
             for i in range(self.run.clients):
                 t = threading.Thread(target=_client_thread, daemon=True, name=f"client-{i}",
-                                     args=(self.task, address, i, self.run.clients))
+                                     args=(self.task, address, i, self.run))
                 t.start()
                 self.clients.append(t)
         elif self._queue is not None:
@@ -186,11 +186,12 @@ def _forked_client(queue: Any, task: Any, index: int, run: RunConfig, log_path: 
           f"{stats.retries} retries", flush=True)
 
 
-def _client_thread(task_cfg: Any, address: str, index: int, num: int) -> None:
+def _client_thread(task_cfg: Any, address: str, index: int, run: RunConfig) -> None:
     from murmura.client import ClientConfig
 
+    # torch's thread count is per calling thread, so each client thread sets its own
     cfg = ClientConfig(server=address, client_id=f"client-{index:03d}", client_index=index,
-                       num_clients=num, device="cpu")
+                       num_clients=run.clients, device="cpu", threads=run.client_threads)
     run_client(cfg, task_cfg)
 
 

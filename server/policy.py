@@ -83,6 +83,7 @@ class SyncPolicy(Policy):
         self.round = 0
         self.open = False
         self.cohort: list[str] = []
+        self._members: frozenset[str] = frozenset()  # the cohort, for O(1) membership
         self.submitted: set[str] = set()
         self.dropped: set[str] = set()
         self._pending: dict[str, tuple[FlatVector, float]] = {}
@@ -100,6 +101,7 @@ class SyncPolicy(Policy):
         rng = np.random.default_rng([cfg.seed, self.round])
         chosen = rng.choice(len(ids), size=k, replace=False) if k < len(ids) else range(len(ids))
         self.cohort = sorted(ids[i] for i in chosen)
+        self._members = frozenset(self.cohort)
         self.submitted, self.dropped, self._pending, self._next = set(), set(), {}, 0
         self.deadline = self.core.clock() + cfg.round_deadline_s
         self.open = True
@@ -111,7 +113,7 @@ class SyncPolicy(Policy):
         if not self.open:
             self._maybe_open()
         cid = rec.client_id
-        if self.open and cid in self.cohort and cid not in self.submitted:
+        if self.open and cid in self._members and cid not in self.submitted:
             self.dropped.discard(cid)  # a member that re-joined may still answer
             return Task(Action.TRAIN, version=self.core.version, round=self.round,
                         seed=self.core.derive_seed("round", self.round, cid))
@@ -121,7 +123,7 @@ class SyncPolicy(Policy):
                staleness: int) -> None:
         cid = rec.client_id
         current = self.open and header.round == self.round and staleness == 0
-        if current and cid not in self.cohort:
+        if current and cid not in self._members:
             raise FailedPrecondition(f"client {cid!r} is not in the cohort of round {self.round}")
         if current and cid in self.submitted:
             raise FailedPrecondition(f"client {cid!r} already sent an update for round "
@@ -132,6 +134,7 @@ class SyncPolicy(Policy):
         weight = float(header.num_examples)
         try:
             if current:
+                self.dropped.discard(cid)  # a re-joined member retrying its push
                 self.submitted.add(cid)
                 self._pending[cid] = (update, weight)
                 self._fold_in_order()
@@ -154,7 +157,8 @@ class SyncPolicy(Policy):
     def _maybe_close(self, *, deadline: bool = False) -> None:
         if not self.open:
             return
-        answered = all(c in self.submitted or c in self.dropped for c in self.cohort)
+        # submitted and dropped are disjoint subsets of the cohort
+        answered = len(self.submitted) + len(self.dropped) >= len(self.cohort)
         if not (answered or deadline):
             return
         self._fold_in_order(flush=True)
@@ -168,7 +172,7 @@ class SyncPolicy(Policy):
         self.core.apply(delta, updates=count, round=self.round)
 
     def on_leave(self, rec: ClientRecord) -> None:
-        if self.open and rec.client_id in self.cohort and rec.client_id not in self.submitted:
+        if self.open and rec.client_id in self._members and rec.client_id not in self.submitted:
             self.dropped.add(rec.client_id)
             self._fold_in_order()
             self._maybe_close()
