@@ -10,7 +10,7 @@ Two ways in, for two kinds of users:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,33 @@ def _seed_everything(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed % (2**63))
 
 
+def iter_batches(data: ArrayDataset | Iterable[Any] | Callable[[], Any], batch_size: int,
+                 gen: torch.Generator) -> Iterator[Any]:
+    """``(x, y)`` batches: arrays are shuffled by ``gen``; other data is iterated as given
+    (a zero-argument callable is called first to build it)."""
+    if callable(data) and not isinstance(data, ArrayDataset):
+        data = data()
+    if isinstance(data, ArrayDataset):
+        perm = torch.randperm(len(data), generator=gen).numpy()
+        x, y = torch.from_numpy(data.x[perm]), torch.from_numpy(data.y[perm])
+        for s in range(0, len(data), batch_size):
+            yield x[s : s + batch_size], y[s : s + batch_size]
+    else:
+        yield from data
+
+
+def count_examples(data: Any, override: int | None = None) -> int:
+    """How many examples a client holds: ``override``, else the data's own length."""
+    if override is not None:
+        return override
+    if isinstance(data, ArrayDataset):
+        return len(data)
+    try:
+        return len(data.dataset)
+    except (AttributeError, TypeError):
+        raise ValueError("pass num_examples= for data whose size is unknown") from None
+
+
 class TorchTrainer(Trainer):
     """Plain first-order local SGD on a torch module.
 
@@ -67,26 +94,8 @@ class TorchTrainer(Trainer):
         self.weight_decay = weight_decay
         self._num_examples = num_examples
 
-    def _batches(self, settings: TaskSettings, gen: torch.Generator) -> Iterable[Any]:
-        data = self.data() if callable(self.data) and not isinstance(self.data, ArrayDataset) \
-            else self.data
-        if isinstance(data, ArrayDataset):
-            perm = torch.randperm(len(data), generator=gen).numpy()
-            x, y = torch.from_numpy(data.x[perm]), torch.from_numpy(data.y[perm])
-            for s in range(0, len(data), settings.batch_size):
-                yield x[s:s + settings.batch_size], y[s:s + settings.batch_size]
-        else:
-            yield from data
-
     def num_examples(self) -> int:
-        if self._num_examples is not None:
-            return self._num_examples
-        if isinstance(self.data, ArrayDataset):
-            return len(self.data)
-        try:
-            return len(self.data.dataset)  # type: ignore[union-attr]
-        except (AttributeError, TypeError):
-            raise ValueError("pass num_examples= for data whose size is unknown") from None
+        return count_examples(self.data, self._num_examples)
 
     def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
         gen = _seed_everything(seed)
@@ -97,7 +106,7 @@ class TorchTrainer(Trainer):
         steps, loss_sum, seen = 0, 0.0, 0
         epochs = settings.local_epochs if settings.local_steps == 0 else 10**9
         for _ in range(epochs):
-            for x, y in self._batches(settings, gen):
+            for x, y in iter_batches(self.data, settings.batch_size, gen):
                 x, y = x.to(self.device), y.to(self.device)
                 opt.zero_grad(set_to_none=True)
                 loss = self.loss_fn(self.model(x), y)

@@ -27,14 +27,21 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from murmura.client.trainer import LossFn, TorchTrainer, Trainer, TrainResult
+from murmura.client.trainer import (
+    LossFn,
+    TorchTrainer,
+    Trainer,
+    TrainResult,
+    count_examples,
+    iter_batches,
+)
 from murmura.edge import resolve_device
 from murmura.protocols import FlatVector, ModelSpec, TaskSettings, create_codec, prng
 from murmura.protocols.codecs.seed import APPLY_BLOCK, SeedCodec, apply_step, apply_steps
@@ -95,18 +102,6 @@ def bind_flat(module: nn.Module, spec: ModelSpec, device: torch.device) -> torch
     return theta
 
 
-def _batches(data: Any, batch_size: int, gen: torch.Generator) -> Iterator[Any]:
-    if callable(data) and not isinstance(data, ArrayDataset):
-        data = data()
-    if isinstance(data, ArrayDataset):
-        perm = torch.randperm(len(data), generator=gen).numpy()
-        x, y = torch.from_numpy(data.x[perm]), torch.from_numpy(data.y[perm])
-        for s in range(0, len(data), batch_size):
-            yield x[s : s + batch_size], y[s : s + batch_size]
-    else:
-        yield from data
-
-
 def _perturber(theta: torch.Tensor, seed: int) -> Callable[[float], None]:
     """``perturb(c)`` adds ``c * z(seed)`` to theta in place.
 
@@ -156,14 +151,7 @@ class ZOTrainer(Trainer):
         self._warned_codec = False
 
     def num_examples(self) -> int:
-        if self._num_examples is not None:
-            return self._num_examples
-        if isinstance(self.data, ArrayDataset):
-            return len(self.data)
-        try:
-            return len(self.data.dataset)  # type: ignore[union-attr]
-        except (AttributeError, TypeError):
-            raise ValueError("pass num_examples= for data whose size is unknown") from None
+        return count_examples(self.data, self._num_examples)
 
     def planned_steps(self, settings: TaskSettings) -> int | None:
         """Steps one task takes, when known in advance (local_steps, or epochs of arrays)."""
@@ -206,7 +194,7 @@ class ZOTrainer(Trainer):
         with torch.no_grad():
             for _ in range(epochs):
                 before = steps
-                for x, y in _batches(self.data, settings.batch_size, gen):
+                for x, y in iter_batches(self.data, settings.batch_size, gen):
                     x, y = x.to(self.device), y.to(self.device)
                     step_seed = encoder.next_seed()
                     perturb = _perturber(theta, step_seed)
