@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import numpy as np
-
 from murmura.client.trainer import Trainer, delta_of
 from murmura.client.transport import RemoteError, Transport
 from murmura.protocols import (
@@ -195,6 +193,3 @@ class ClientRuntime:
         if getattr(reply, "duplicate", False):
             self.stats.duplicates += 1
 
-
-def flat_copy(vector: FlatVector) -> FlatVector:
-    return np.array(vector, dtype=np.float32, copy=True)

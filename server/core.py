@@ -309,7 +309,7 @@ class AggregatorCore:
 
     # -- publishing ---------------------------------------------------------------------------
 
-    def apply(self, delta: FlatVector, *, updates: int, round: int = 0) -> None:
+    def apply(self, delta: FlatVector, *, updates: int, round_id: int = 0) -> None:
         """Make ``delta`` (the aggregate update) the next global version."""
         self.params = self.optimizer.step(self.params, delta)
         self.version += 1
@@ -318,8 +318,8 @@ class AggregatorCore:
             self._history.popitem(last=False)
         row: dict[str, Any] = {
             "version": self.version,
-            "round": round,
-            "time_s": round_time(self.clock() - self.t0),
+            "round": round_id,
+            "time_s": round(self.clock() - self.t0, 6),
             "updates": self.traffic.updates,
             "updates_in_version": updates,
             "bytes_up": self.traffic.bytes_up,
@@ -347,10 +347,6 @@ class AggregatorCore:
         return {"version": self.version, "clients": len(self.sessions), "done": self.done,
                 "buffered": self.policy.buffered(), "updates": self.traffic.updates,
                 "refused": dict(self.traffic.refused)}
-
-
-def round_time(t: float) -> float:
-    return float(f"{t:.6f}")
 
 
 def evaluator_for(model_factory: Callable[[], Any], spec: ModelSpec, data: Any) -> Evaluator:

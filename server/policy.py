@@ -169,7 +169,7 @@ class SyncPolicy(Policy):
         delta = self.agg.result()
         count = self.agg.count
         self.agg.reset()
-        self.core.apply(delta, updates=count, round=self.round)
+        self.core.apply(delta, updates=count, round_id=self.round)
 
     def on_leave(self, rec: ClientRecord) -> None:
         if self.open and rec.client_id in self._members and rec.client_id not in self.submitted:

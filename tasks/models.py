@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -37,9 +36,6 @@ def seeded_init(factory: type[nn.Module] | object, seed: int) -> nn.Module:
     """Build a model with torch's RNG seeded, leaving the global RNG state as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = factory()  # type: ignore[operator]
+        model = factory()
     return model
 
-
-def accuracy_of(logits: np.ndarray, labels: np.ndarray) -> float:
-    return float((logits.argmax(axis=1) == labels).mean()) if len(labels) else 0.0
