@@ -157,9 +157,8 @@ class ClientRuntime:
     def step(self, round_: int, seed: int) -> None:
         """One task: pull the current model, train, push the update."""
         assert self.settings is not None and self._encoder is not None
-        version, params = self._call(lambda: self.transport.pull(self.session))
-        base = params.copy()
-        result = self.trainer.train(params, self.settings, seed=seed)
+        version, base = self._call(lambda: self.transport.pull(self.session))
+        result = self.trainer.train(base, self.settings, seed=seed)  # reads, never writes base
         if result.encoded is not None:
             codec, payload = result.encoded
         else:

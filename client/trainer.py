@@ -41,7 +41,11 @@ class Trainer(ABC):
 
     @abstractmethod
     def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
-        """Start from ``params``, train locally, return the result."""
+        """Start from ``params``, train locally, return the result.
+
+        ``params`` is read, never modified: the runtime computes the update against it, and the
+        simulation shares one vector between many clients.
+        """
 
 
 def _seed_everything(seed: int) -> torch.Generator:

@@ -33,8 +33,10 @@ def test_torch_trainer_learns_and_is_seeded() -> None:
     task = load_task(TaskConfig())
     trainer = TorchTrainer(task.build_model(), task.client_data(0, 2), device="cpu")
     p0 = trainer.spec.flatten(trainer.model)
+    p0_bytes = p0.tobytes()
     s = TaskSettings(local_epochs=1)
     a = trainer.train(p0, s, seed=5)
+    assert p0.tobytes() == p0_bytes  # the Trainer contract: params are read, never written
     b = trainer.train(p0, s, seed=5)
     c = trainer.train(p0, s, seed=6)
     assert a.params.tobytes() == b.params.tobytes() != c.params.tobytes()
