@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+import numpy as np
 
 from murmura.client.trainer import Trainer, delta_of
 from murmura.client.transport import RemoteError, Transport
@@ -27,6 +30,8 @@ from murmura.protocols import (
     UpdateHeader,
     create_codec,
 )
+from murmura.protocols.codecs.seed import SeedPool, pool_model
+from murmura.protocols.pool import seed_pool_for
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,6 +94,8 @@ class ClientRuntime:
         self.spec: ModelSpec | None = None
         self._encoder: Encoder | None = None
         self._rand = random.Random(client_id)
+        self._pool: SeedPool | None = None
+        self._pool_base: tuple[int, FlatVector] | None = None  # (base_version, base)
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -100,6 +107,7 @@ class ClientRuntime:
                              f"{self.trainer.spec.fingerprint()} ({self.trainer.spec.size} values)")
         first = not self.session
         self.session, self.settings, self.spec = result.session, result.settings, spec
+        self._pool = seed_pool_for(result.settings)
         if first or self._encoder is None:
             name = self.codec_name or result.settings.codec
             options = result.settings.codec_options if name == result.settings.codec else {}
@@ -154,10 +162,29 @@ class ClientRuntime:
                 pass
         return self.stats
 
+    def _pull(self) -> tuple[int, FlatVector]:
+        """The current version and model: pulled whole, or in a seed-pool run rebuilt exactly
+        from the pool's base (pulled once) and K downloaded scalars (see server/pool.py)."""
+        if self._pool is None:
+            return self._call(lambda: self.transport.pull(self.session))
+        pool = self._pool
+        version, base_version, scalars = self._call(
+            lambda: self.transport.pull_pool_scalars(self.session))
+        if scalars.shape != (len(pool),) or not np.isfinite(scalars).all():
+            raise RemoteError("DATA_LOSS", f"the server sent {scalars.shape} pool scalars (or "
+                                           f"non-finite ones); the pool has {len(pool)}")
+        if self._pool_base is None or self._pool_base[0] != base_version:
+            got, base = self._call(lambda: self.transport.pull_pool_base(self.session))
+            if got != base_version or base.shape != (self.trainer.spec.size,):
+                raise RemoteError("ABORTED", "the seed pool's base changed during the pull")
+            self._pool_base = (got, base)
+            log.info("%s: pulled the seed pool's base (version %d)", self.client_id, got)
+        return version, pool_model(self._pool_base[1], pool, scalars)
+
     def step(self, round_: int, seed: int) -> None:
         """One task: pull the current model, train, push the update."""
         assert self.settings is not None and self._encoder is not None
-        version, base = self._call(lambda: self.transport.pull(self.session))
+        version, base = self._pull()
         result = self.trainer.train(base, self.settings, seed=seed)  # reads, never writes base
         if result.encoded is not None:
             codec, payload = result.encoded
@@ -167,7 +194,8 @@ class ClientRuntime:
             if self.update_hook is not None:
                 update = self.update_hook(update)
             codec, payload = self.codec_name, self._encoder.encode(update)
-        update_id = uuid.uuid4().hex
+        # 72 random bits: unique per client for any realistic number of pushes, 12 characters
+        update_id = secrets.token_urlsafe(9)
         metrics = dict(result.metrics)
 
         def push() -> object:

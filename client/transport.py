@@ -24,6 +24,7 @@ from murmura.protocols import (
 )
 from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols import murmura_pb2_grpc as pb_grpc
+from murmura.protocols.pool import POOL_SCALARS_CODEC
 
 #: Statuses worth retrying after a pause: the server is away, overloaded or restarting.
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED"})
@@ -63,8 +64,20 @@ class Transport(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 
+    def pull_pool_base(self, session: str) -> tuple[int, FlatVector]:
+        """Seed-pool runs: ``(base_version, base)``, the model the pool's scalars apply to."""
+        raise NotImplementedError(f"{type(self).__name__} cannot pull a seed pool's base")
+
+    def pull_pool_scalars(self, session: str) -> tuple[int, int, FlatVector]:
+        """Seed-pool runs: ``(version, base_version, scalars)``, the K cumulative scalars."""
+        raise NotImplementedError(f"{type(self).__name__} cannot pull a seed pool's scalars")
+
     @property
     def bytes_up(self) -> int:
+        return 0
+
+    @property
+    def bytes_down(self) -> int:
         return 0
 
 
@@ -89,7 +102,7 @@ class GrpcTransport(Transport):
         self._pull = self._channel.unary_stream(
             "/murmura.v1.Aggregator/Pull", request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=serde.deserialize_model_item)
-        self._bytes_up = 0
+        self._bytes_up = self._bytes_down = 0
 
     @staticmethod
     def _wrap(exc: grpc.RpcError) -> RemoteError:
@@ -115,19 +128,22 @@ class GrpcTransport(Transport):
             raise self._wrap(exc) from None
         return serde.task_from_proto(reply)
 
-    def pull(self, session: str) -> tuple[int, FlatVector]:
+    def _pull_vector(self, request: pb.PullRequest, codec: str
+                     ) -> tuple[pb.ModelHeader, FlatVector]:
+        """One Pull stream into a fresh float32 vector, with its header."""
         try:
-            stream = self._pull(pb.PullRequest(session=session), timeout=self.timeout_s)
+            stream = self._pull(request, timeout=self.timeout_s)
             header = None
             out = np.empty(0, dtype="<f4")
             view = memoryview(b"")
-            received = 0
+            received = wire = 0
             for item in stream:
                 if not isinstance(item, memoryview) and item.WhichOneof("kind") == "header":
+                    wire += item.ByteSize()
                     header = item.header
                     if header.payload_bytes % 4:
                         raise RemoteError("DATA_LOSS",
-                                          f"a dense-f32 model of {header.payload_bytes} bytes")
+                                          f"a float32 vector of {header.payload_bytes} bytes")
                     # writable, filled as chunks arrive (one copy, overlapping the transfer)
                     out = np.empty(header.payload_bytes // 4, dtype="<f4")
                     view = memoryview(out).cast("B")
@@ -140,13 +156,31 @@ class GrpcTransport(Transport):
                     raise RemoteError("DATA_LOSS", "model stream is longer than announced")
                 view[received:end] = data
                 received = end
+                wire += serde.data_chunk_wire_bytes(len(data))
         except grpc.RpcError as exc:
             raise self._wrap(exc) from None
         if header is None or received != header.payload_bytes:
             raise RemoteError("DATA_LOSS", "model stream ended early")
-        if header.codec != "dense-f32":
-            raise RemoteError("UNIMPLEMENTED", f"model arrived in codec {header.codec!r}")
-        return header.version, out.astype(np.float32, copy=False)
+        self._bytes_down += wire
+        if header.codec != codec:
+            raise RemoteError("UNIMPLEMENTED", f"expected codec {codec!r}, the pull arrived in "
+                                               f"{header.codec!r}")
+        return header, out.astype(np.float32, copy=False)
+
+    def pull(self, session: str) -> tuple[int, FlatVector]:
+        header, params = self._pull_vector(pb.PullRequest(session=session), "dense-f32")
+        return header.version, params
+
+    def pull_pool_base(self, session: str) -> tuple[int, FlatVector]:
+        header, base = self._pull_vector(
+            pb.PullRequest(session=session, kind=pb.PullRequest.POOL_BASE), "dense-f32")
+        return header.base_version, base
+
+    def pull_pool_scalars(self, session: str) -> tuple[int, int, FlatVector]:
+        header, scalars = self._pull_vector(
+            pb.PullRequest(session=session, kind=pb.PullRequest.POOL_SCALARS),
+            POOL_SCALARS_CODEC)
+        return header.version, header.base_version, scalars
 
     def push(self, header: UpdateHeader, payload: bytes) -> PushResult:
         items = list(serde.iter_update_items(header, payload, self.chunk_bytes))
@@ -170,3 +204,8 @@ class GrpcTransport(Transport):
     @property
     def bytes_up(self) -> int:
         return self._bytes_up
+
+    @property
+    def bytes_down(self) -> int:
+        """Wire bytes of every model, base and scalar pull so far."""
+        return self._bytes_down

@@ -134,22 +134,34 @@ class TaskReply(_message.Message):
     def __init__(self, action: _Optional[_Union[TaskReply.Action, str]] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., retry_after_s: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("session",)
+    __slots__ = ("session", "kind")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        MODEL: _ClassVar[PullRequest.Kind]
+        POOL_BASE: _ClassVar[PullRequest.Kind]
+        POOL_SCALARS: _ClassVar[PullRequest.Kind]
+    MODEL: PullRequest.Kind
+    POOL_BASE: PullRequest.Kind
+    POOL_SCALARS: PullRequest.Kind
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     session: str
-    def __init__(self, session: _Optional[str] = ...) -> None: ...
+    kind: PullRequest.Kind
+    def __init__(self, session: _Optional[str] = ..., kind: _Optional[_Union[PullRequest.Kind, str]] = ...) -> None: ...
 
 class ModelHeader(_message.Message):
-    __slots__ = ("version", "spec", "codec", "payload_bytes")
+    __slots__ = ("version", "spec", "codec", "payload_bytes", "base_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     spec: ModelSpec
     codec: str
     payload_bytes: int
-    def __init__(self, version: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    base_version: int
+    def __init__(self, version: _Optional[int] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class ModelChunk(_message.Message):
     __slots__ = ("header", "data")

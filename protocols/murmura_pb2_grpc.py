@@ -79,7 +79,8 @@ class AggregatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """The current global model: a ModelHeader chunk, then payload chunks.
+        """The current global model (or, in seed-pool runs, its base or its K scalars): a ModelHeader
+        chunk, then payload chunks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

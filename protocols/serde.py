@@ -213,11 +213,16 @@ def iter_update_items(header: UpdateHeader, payload: bytes | memoryview,
         yield view[start : start + chunk_bytes]
 
 
-def iter_model_items(version: int, spec: ModelSpec, codec: str, payload: bytes | memoryview,
-                     chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.ModelChunk | memoryview]:
-    """Pull stream items for :func:`serialize_model_item`: the header, then payload views."""
+def iter_model_items(version: int, spec: ModelSpec | None, codec: str,
+                     payload: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES, *,
+                     base_version: int = 0) -> Iterator[pb.ModelChunk | memoryview]:
+    """Pull stream items for :func:`serialize_model_item`: the header, then payload views.
+
+    ``spec`` None leaves it out of the header (a seed pool's scalars are not a model).
+    """
     view = memoryview(payload).cast("B")
-    yield pb.ModelChunk(header=pb.ModelHeader(version=version, spec=spec_to_proto(spec),
-                                              codec=codec, payload_bytes=len(view)))
+    yield pb.ModelChunk(header=pb.ModelHeader(
+        version=version, spec=spec_to_proto(spec) if spec is not None else None, codec=codec,
+        payload_bytes=len(view), base_version=base_version))
     for start in range(0, len(view), chunk_bytes):
         yield view[start : start + chunk_bytes]

@@ -30,6 +30,8 @@ class Checkpoint:
     spec_fingerprint: str
     optimizer_state: dict[str, FlatVector] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    #: Further named arrays kept with their own dtype (e.g. a seed pool's float64 sums).
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def save_checkpoint(path: str | Path, ckpt: Checkpoint) -> None:
@@ -39,6 +41,7 @@ def save_checkpoint(path: str | Path, ckpt: Checkpoint) -> None:
               "spec_fingerprint": ckpt.spec_fingerprint, "meta": ckpt.meta}
     arrays = {"params": ckpt.params}
     arrays.update({f"opt.{k}": v for k, v in ckpt.optimizer_state.items()})
+    arrays.update({f"x.{k}": v for k, v in ckpt.extra.items()})
     buf = io.BytesIO()
     np.savez(buf, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8), **arrays)
     fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
@@ -66,10 +69,11 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             params = np.asarray(z["params"], dtype=np.float32)
             opt = {k[4:]: np.asarray(z[k], dtype=np.float32) for k in z.files
                    if k.startswith("opt.")}
+            extra = {k[2:]: np.asarray(z[k]) for k in z.files if k.startswith("x.")}
     except (OSError, KeyError, ValueError) as exc:
         raise ValueError(f"{path} is not a readable Murmura checkpoint: {exc}") from exc
     if header.get("format") != FORMAT:
         raise ValueError(f"{path}: checkpoint format {header.get('format')} is not {FORMAT}")
     return Checkpoint(version=int(header["version"]), params=params,
                       spec_fingerprint=str(header["spec_fingerprint"]),
-                      optimizer_state=opt, meta=dict(header.get("meta", {})))
+                      optimizer_state=opt, meta=dict(header.get("meta", {})), extra=extra)

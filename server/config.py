@@ -11,7 +11,8 @@ from murmura.aggregation import (
     available_optimizers,
     create_aggregator,
 )
-from murmura.protocols import TaskSettings
+from murmura.protocols import CodecError, TaskSettings
+from murmura.protocols.pool import seed_pool_for
 
 MODES = ("sync", "async")
 STALENESS = ("constant", "polynomial", "hinge")
@@ -82,6 +83,14 @@ class ServerConfig:
         if self.optimizer not in available_optimizers():
             raise ValueError(f"unknown optimizer {self.optimizer!r}; "
                              f"available: {', '.join(available_optimizers())}")
+        try:
+            pool = seed_pool_for(self.train)
+        except CodecError as exc:
+            raise ValueError(f"train.codec_options: {exc}") from None
+        if pool is not None and self.optimizer != "fedavg":
+            raise ValueError(f"a seed pool (codec 'seed' with pool={len(pool)}) aggregates in "
+                             f"pool coordinates, where only the linear 'fedavg' server optimizer "
+                             f"is defined; got optimizer {self.optimizer!r}")
         if not self.server_lr > 0:
             raise ValueError(f"server_lr must be positive, got {self.server_lr}")
         if not self.max_payload_mb > 0:

@@ -37,6 +37,8 @@ from murmura.protocols import (
     create_codec,
 )
 from murmura.protocols.codecs import Codec
+from murmura.protocols.codecs.seed import SeedCodec
+from murmura.protocols.pool import seed_pool_for
 from murmura.server.checkpoint import Checkpoint, save_checkpoint
 from murmura.server.config import ServerConfig
 from murmura.server.errors import (
@@ -48,6 +50,7 @@ from murmura.server.errors import (
 )
 from murmura.server.outputs import RunRecorder
 from murmura.server.policy import AsyncPolicy, Policy, SyncPolicy
+from murmura.server.pool import PoolState
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,11 @@ class AggregatorCore:
             spec.check_vector(start.params)
             self.version, self.params = start.version, start.params.copy()
             self.optimizer.load_state_dict(start.optimizer_state)
+        self.pool = self._start_pool(start)
+        if self.pool is not None:
+            self.params = self.pool.model()
+        #: Length of the vectors the policy aggregates: the model, or K pool coordinates.
+        self.update_size = len(self.pool) if self.pool is not None else spec.size
         self._history: OrderedDict[int, FlatVector] = OrderedDict({self.version: self.params})
         self.sessions: dict[str, ClientRecord] = {}
         self._session_of: dict[str, str] = {}
@@ -113,6 +121,22 @@ class AggregatorCore:
         self.last_metrics: dict[str, Any] = {}
         self._listeners: list[Callable[[], None]] = []
         self.policy: Policy = SyncPolicy(self) if config.mode == "sync" else AsyncPolicy(self)
+
+    def _start_pool(self, start: Checkpoint | None) -> PoolState | None:
+        """The FedKSeed state when the settings ask for a seed pool (see server/pool.py)."""
+        pool = seed_pool_for(self.config.train)
+        if pool is None:
+            return None
+        meta = {"k": len(pool), "base_seed": pool.base_seed}
+        if start is not None and "pool.cumulative" in start.extra:
+            if start.meta.get("pool") != meta:
+                raise ValueError(f"checkpoint's seed pool {start.meta.get('pool')} is not this "
+                                 f"run's {meta}; resume with the same seed and pool size")
+            return PoolState(pool, start.extra["pool.base"],
+                             base_version=int(start.extra["pool.base_version"][0]),
+                             cumulative=start.extra["pool.cumulative"])
+        # A fresh pool starts from the current model (the initial one, or a checkpoint's).
+        return PoolState(pool, self.params, base_version=self.version)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -162,7 +186,7 @@ class AggregatorCore:
         old = self._session_of.get(client_id)
         if old is not None:  # a restarted client takes over its identity
             self.sessions.pop(old, None)
-        session = secrets.token_hex(16)
+        session = secrets.token_urlsafe(16)  # 128 bits in 22 characters
         self.sessions[session] = ClientRecord(session, client_id, profile, self.clock())
         self._session_of[client_id] = session
         log.info("client %s joined (%s)", client_id, profile.device)
@@ -178,6 +202,25 @@ class AggregatorCore:
         """The current global version and vector (never modified in place: safe to stream)."""
         self._record(session)
         return self.version, self.params
+
+    def pool_base(self, session: str) -> tuple[int, FlatVector]:
+        """The seed pool's base model and the version it was taken at (read-only)."""
+        self._record(session)
+        pool = self._require_pool()
+        return pool.base_version, pool.base
+
+    def pool_scalars(self, session: str) -> tuple[int, int, FlatVector]:
+        """``(version, base_version, scalars)``: the K numbers that, replayed on the base with
+        ``apply_pool``, give the current global model exactly."""
+        self._record(session)
+        pool = self._require_pool()
+        return self.version, pool.base_version, pool.scalars
+
+    def _require_pool(self) -> PoolState:
+        if self.pool is None:
+            raise FailedPrecondition("this run has no seed pool (it needs trainer 'zo', codec "
+                                     "'seed' and codec option pool=K); pull the model instead")
+        return self.pool
 
     def push(self, header: UpdateHeader, payload: bytes | bytearray | memoryview, *,
              wire_bytes: int = 0) -> PushResult:
@@ -242,6 +285,8 @@ class AggregatorCore:
 
     def _decode(self, header: UpdateHeader, payload: bytes | bytearray | memoryview) -> FlatVector:
         codec = self._codec(header)
+        if self.pool is not None:
+            return self._decode_pool(codec, payload)
         reference = None
         if codec.needs_reference:
             reference = self._history.get(header.base_version)
@@ -265,6 +310,21 @@ class AggregatorCore:
             if not finite.all():
                 bad = int(np.flatnonzero(~finite)[0])
                 raise InvalidArgument(f"update contains NaN or Inf (first at index {bad})")
+        return update
+
+    def _decode_pool(self, codec: Codec, payload: bytes | bytearray | memoryview) -> FlatVector:
+        """A pool run's update: the K coefficients its steps applied along the pool seeds."""
+        assert self.pool is not None
+        if not isinstance(codec, SeedCodec) or not codec.pool_size:
+            raise InvalidArgument(f"this run aggregates seed-pool updates (codec 'seed' with "
+                                  f"pool={len(self.pool)}); codec {codec.name!r} without the "
+                                  f"pool cannot be taken")
+        try:
+            update = self.pool.contribution(codec.unpack(payload))
+        except CodecError as exc:
+            raise InvalidArgument(f"payload does not decode: {exc}") from exc
+        if not np.isfinite(update).all():
+            raise InvalidArgument("the update's pool coefficients overflow float32")
         return update
 
     def _codec(self, header: UpdateHeader) -> Codec:
@@ -311,7 +371,14 @@ class AggregatorCore:
 
     def apply(self, delta: FlatVector, *, updates: int, round_id: int = 0) -> None:
         """Make ``delta`` (the aggregate update) the next global version."""
-        self.params = self.optimizer.step(self.params, delta)
+        if self.pool is not None:  # pool coordinates; the config allows only plain fedavg
+            try:
+                self.params = self.pool.advance(delta, lr=self.config.server_lr)
+            except ValueError as exc:
+                log.error("aggregate dropped, the global model is unchanged: %s", exc)
+                return
+        else:
+            self.params = self.optimizer.step(self.params, delta)
         self.version += 1
         self._history[self.version] = self.params
         while len(self._history) > REFERENCE_VERSIONS:
@@ -335,7 +402,10 @@ class AggregatorCore:
             save_checkpoint(self.checkpoint_path, Checkpoint(
                 version=self.version, params=self.params, spec_fingerprint=self.fingerprint,
                 optimizer_state=self.optimizer.state_dict(),
-                meta={"mode": self.config.mode, "updates": self.traffic.updates}))
+                meta={"mode": self.config.mode, "updates": self.traffic.updates,
+                      **({"pool": {"k": len(self.pool), "base_seed": self.pool.pool.base_seed}}
+                         if self.pool is not None else {})},
+                extra=self.pool.arrays() if self.pool is not None else {}))
         if self.version >= self.config.max_versions:
             self.done = True
         log.info("version %d: %s", self.version,

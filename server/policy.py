@@ -79,7 +79,7 @@ class SyncPolicy(Policy):
     def __init__(self, core: AggregatorCore) -> None:
         super().__init__(core)
         cfg = core.config
-        self.agg = create_aggregator(cfg.defense, core.spec.size, **cfg.defense_kwargs())
+        self.agg = create_aggregator(cfg.defense, core.update_size, **cfg.defense_kwargs())
         self.round = 0
         self.open = False
         self.cohort: list[str] = []
@@ -192,7 +192,7 @@ class AsyncPolicy(Policy):
     def __init__(self, core: AggregatorCore) -> None:
         super().__init__(core)
         cfg = core.config
-        self.buffer = FedBuff(core.spec.size, buffer_size=cfg.buffer_size,
+        self.buffer = FedBuff(core.update_size, buffer_size=cfg.buffer_size,
                               max_staleness=cfg.max_staleness, staleness=self.staleness,
                               aggregator=lambda size: create_aggregator(
                                   cfg.defense, size, **cfg.defense_kwargs()))

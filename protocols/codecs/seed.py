@@ -27,6 +27,7 @@ bytes, whatever the model size.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -73,7 +74,9 @@ __all__ = [
 
 _TAG = ord("z")
 _FIELDS = struct.Struct("<fIf")  # lr, number of steps, gscale
-_FLAG_INT8, _FLAG_SEED64 = 1, 2
+_FLAG_INT8, _FLAG_SEED64, _FLAG_POOL = 1, 2, 4
+#: Stream index of the pool's base seed under the run seed (``derive_seed(run_seed, _POOL)``).
+_POOL_STREAM = 0x706F6F6C  # "pool"
 #: Values per block when walking a model: big enough to amortise kernel launches, small enough
 #: that a block of the model and of z stay in a CPU's L2 cache while every step is applied.
 APPLY_BLOCK = 1 << 18
@@ -214,7 +217,10 @@ class SeedCodec(Codec):
     Options: ``dtype`` = ``fp16`` (default) or ``int8`` (with a float32 step in the header),
     ``seed_bits`` = ``32`` (default) or ``64``, ``max_steps`` (default 1024, the most steps a
     payload may carry), ``gclip`` (int8 only: g is clipped to +-gclip; default 4x the first
-    non-zero |g| of the payload). Payload: 16 + steps * (seed bytes + scalar bytes) bytes.
+    non-zero |g| of the payload), ``pool`` (default 0: off; K > 0 draws every step seed from
+    FedKSeed's shared pool of K seeds, see :class:`SeedPool`, so the server can aggregate in K
+    pool coordinates and a client can catch up by downloading K scalars instead of the model).
+    Payload: 16 + steps * (seed bytes + scalar bytes) bytes.
     """
 
     name = "seed"
@@ -225,16 +231,28 @@ class SeedCodec(Codec):
         self.int8 = parse_choice(self.name, opts, "dtype", "fp16", {"fp16": False, "int8": True})
         self.seed_bits = parse_choice(self.name, opts, "seed_bits", "32", {"32": 32, "64": 64})
         self.max_steps = parse_int_option(self.name, opts, "max_steps", 1024, low=1, high=1 << 20)
+        self.pool_size = parse_int_option(self.name, opts, "pool", 0, low=0, high=1 << 16)
         has_gclip = "gclip" in opts
         gclip = parse_float_option(self.name, opts, "gclip", 0.0, low=1e-30, high=1e30)
         if has_gclip and not self.int8:
             raise CodecError(f"codec {self.name!r}: option gclip only applies to dtype=int8")
         self.gclip: float | None = gclip if has_gclip else None
         reject_leftover_options(self.name, opts)
-        self._flags = (_FLAG_INT8 if self.int8 else 0) | (_FLAG_SEED64 if self.seed_bits == 64
-                                                         else 0)
+        self._flags = ((_FLAG_INT8 if self.int8 else 0) | (_FLAG_SEED64 if self.seed_bits == 64
+                                                          else 0)
+                       | (_FLAG_POOL if self.pool_size else 0))
         self._seed_dtype = np.dtype("<u8" if self.seed_bits == 64 else "<u4")
         self._g_dtype = np.dtype("i1" if self.int8 else "<f2")
+
+    def pool(self, run_seed: int) -> SeedPool | None:
+        """The run's shared seed pool when option ``pool`` is set, else None.
+
+        Both peers derive it from the run seed (``TaskSettings.seed``), so it never travels.
+        """
+        if not self.pool_size:
+            return None
+        return _cached_pool(self.pool_size, prng.derive_seed(run_seed, _POOL_STREAM),
+                            self.seed_bits)
 
     def _step_bytes(self) -> int:
         return self._seed_dtype.itemsize + self._g_dtype.itemsize
@@ -489,6 +507,11 @@ class SeedPool:
             raise CodecError(f"codec 'seed': step seed {err.args[0]} is not in the pool") from None
         np.add.at(out, where, steps.coefficients.astype(np.float64))
         return out
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_pool(k: int, base_seed: int, seed_bits: int) -> SeedPool:
+    return SeedPool(k, base_seed, seed_bits=seed_bits)
 
 
 def _check_cumulative(pool: SeedPool, cumulative: npt.ArrayLike) -> npt.NDArray[np.float32]:

@@ -48,15 +48,16 @@ _TAG = ord("s")
 class SignCodec(Codec):
     """One sign bit per value plus one scale per block: about 1/8 + 4/block bytes per value.
 
-    Options: ``block`` (default 256), ``scale`` = ``f32`` (default) or ``f16``, ``feedback``
-    = 1 (default) or 0.
+    Options: ``block`` (default 1024: the scales then cost 3 % on top of the bits, 31x fewer
+    bytes than float32, where 256 costs 12.5 % and caps the ratio at 28x), ``scale`` = ``f32``
+    (default) or ``f16``, ``feedback`` = 1 (default) or 0.
     """
 
     name = "sign"
 
     def __init__(self, **options: str) -> None:
         opts = dict(options)
-        self.block = parse_int_option(self.name, opts, "block", 256, low=1, high=1 << 24)
+        self.block = parse_int_option(self.name, opts, "block", 1024, low=1, high=1 << 24)
         self.scale_dtype = parse_choice(self.name, opts, "scale", "f32", FLOAT_DTYPES)
         self.feedback = parse_flag(self.name, opts, "feedback", True)
         reject_leftover_options(self.name, opts)

@@ -42,3 +42,11 @@ class CoreTransport(Transport):
 
     def leave(self, session):
         self._call(self.core.leave, session)
+
+    def pull_pool_base(self, session):
+        base_version, base = self._call(self.core.pool_base, session)
+        return base_version, base.copy()
+
+    def pull_pool_scalars(self, session):
+        version, base_version, scalars = self._call(self.core.pool_scalars, session)
+        return version, base_version, scalars.copy()

@@ -130,7 +130,8 @@ class TestPayloadSizes:
         ("topk", {}, 1000, 4 + 10 * 4 + 8 + 4),
         # k = 10000, l = 6: 60000 bits -> 7500 bytes, 10000 + 15625 bits -> 3203 bytes
         ("topk", {"values": "f16"}, 1_000_000, 4 + 10000 * 2 + 7500 + 3203),
-        ("sign", {}, 1000, 4 + 4 * 4 + 125),
+        ("sign", {}, 1000, 4 + 1 * 4 + 125),
+        ("sign", {"block": "256"}, 1000, 4 + 4 * 4 + 125),
         ("sign", {"block": "1024", "scale": "f16"}, 1_000_000, 4 + 977 * 2 + 125_000),
         ("proj", {}, 1_000_000, 4 + 8 + 245 * 64 * 4),
         ("proj", {"block": "256", "k": "8", "values": "f16"}, 1000, 4 + 8 + 4 * 8 * 2),
@@ -349,7 +350,7 @@ class TestSign:
             assert np.allclose(decoded[start : start + 10], expected, rtol=1e-6)
 
     def test_nan_scale_and_padding_bits_are_refused(self) -> None:
-        codec = create_codec("sign")
+        codec = create_codec("sign", {"block": "256"})
         payload, _ = _roundtrip(codec, _vector(300))
         with pytest.raises(CodecError, match="block scale 1 is nan"):
             codec.decode(payload[:8] + struct.pack("<f", np.nan) + payload[12:], 300)

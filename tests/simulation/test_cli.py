@@ -80,3 +80,10 @@ def test_a_typo_in_the_config_is_an_error_that_names_it(tmp_path: Path) -> None:
     args = _parser().parse_args(["simulate", "--vectorise", "maybe"])
     with pytest.raises(ValueError, match="vectorise must be one of"):
         args.fn(args)
+
+
+def test_the_zeroth_order_trainer_is_refused_instead_of_simulating_empty_updates() -> None:
+    args = _parser().parse_args(["simulate", "--trainer", "zo", "--codec", "seed",
+                                 "--clients", "3", "--max-versions", "1"])
+    with pytest.raises(ValueError, match="first-order training only"):
+        args.fn(args)
