@@ -8,6 +8,7 @@ BatchNorm running statistics); integer buffers like ``num_batches_tracked`` stay
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Iterator
@@ -54,9 +55,9 @@ class ModelSpec:
         if len(set(names)) != len(names):
             raise ValueError("tensor names in a ModelSpec must be unique")
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
-        """Number of float32 values in the flat vector."""
+        """Number of float32 values in the flat vector (computed once: hot paths ask often)."""
         return sum(t.numel for t in self.tensors)
 
     @property

@@ -233,7 +233,17 @@ class AggregatorCore:
             raise
 
     def precheck(self, header: UpdateHeader) -> ClientRecord:
-        """Checks that need only the header, so a transport can refuse before the payload."""
+        """Checks that need only the header, so a transport can refuse before the payload.
+
+        A refusal here is counted in ``traffic.refused`` like one from :meth:`push`.
+        """
+        try:
+            return self._precheck(header)
+        except (InvalidArgument, FailedPrecondition, ResourceExhausted, Unauthenticated) as exc:
+            self._refuse(exc.status)
+            raise
+
+    def _precheck(self, header: UpdateHeader) -> ClientRecord:
         rec = self._record(header.session)
         if not header.update_id or len(header.update_id) > MAX_ID_LENGTH:
             raise InvalidArgument(f"update_id must be 1..{MAX_ID_LENGTH} characters")
@@ -261,7 +271,7 @@ class AggregatorCore:
         key = (self._record(header.session).client_id, header.update_id)
         if key in self._seen:
             return PushResult(duplicate=True, version=self.version, staleness=self._seen[key])
-        rec = self.precheck(header)
+        rec = self._precheck(header)
         if self.done:
             raise FailedPrecondition(f"the run finished at version {self.version}; "
                                      f"no more updates are taken")

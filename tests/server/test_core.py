@@ -144,6 +144,12 @@ def test_oversize_payload_is_resource_exhausted() -> None:
     with pytest.raises(ResourceExhausted, match="exceeds the limit of 8"):
         push(core, a, [1, 1, 1, 1])
     assert core.traffic.refused == {"RESOURCE_EXHAUSTED": 1}
+    # a transport that refuses on the header alone (as the gRPC servicer does) counts it too
+    header = UpdateHeader(session=a, update_id="big", base_version=0, round=0, num_examples=1,
+                          codec="dense-f32", payload_bytes=16)
+    with pytest.raises(ResourceExhausted):
+        core.precheck(header)
+    assert core.traffic.refused == {"RESOURCE_EXHAUSTED": 2}
 
 
 def test_a_retried_push_is_counted_once() -> None:
