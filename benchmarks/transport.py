@@ -55,6 +55,7 @@ from murmura.protocols import (  # noqa: E402
     serde,  # noqa: E402
 )
 from murmura.server import AggregatorCore, ServerConfig, ServerThread  # noqa: E402
+from murmura.server.buffers import BufferPool, ReceiveBuffer  # noqa: E402
 from murmura.server.service import MAX_MESSAGE_BYTES  # noqa: E402
 
 NAME = "transport"
@@ -273,6 +274,24 @@ def time_pieces(core: AggregatorCore, server: ServerThread, ours: MurmuraClient,
     fold = WeightedMean(update.size)
     fold.add(update, 1.0)  # touch the accumulator once, as a running server has
 
+    pool = BufferPool()
+
+    def reassemble(lease: ReceiveBuffer) -> None:
+        at = 0
+        for v in views:
+            lease.write(at, v)
+            at += len(v)
+
+    def fresh_buffer() -> None:  # the servicer before receive buffers were reused
+        reassemble(ReceiveBuffer(np.empty(len(payload), np.uint8), len(payload), pooled=False))
+
+    def pooled_buffer() -> None:  # AggregatorServicer.Push now
+        lease = pool.acquire(len(payload))
+        reassemble(lease)
+        pool.release(lease)
+
+    pooled_buffer()  # the first lease allocates; a running server's are warm
+
     def raw_slices() -> list[bytes]:
         view = memoryview(payload)
         return [bytes(view[s:s + CHUNK]) for s in range(0, len(view), CHUNK)]
@@ -286,6 +305,10 @@ def time_pieces(core: AggregatorCore, server: ServerThread, ours: MurmuraClient,
             lambda: [serde.deserialize_update_item(f) for f in frames[1:]],
         "server: joining the views into one payload (`b\"\".join`)":
             lambda: b"".join(views),
+        "server: copying the views into a fresh `np.empty` buffer (before buffer reuse)":
+            fresh_buffer,
+        "server: copying the views into a reused buffer (`BufferPool`, as `Push` does)":
+            pooled_buffer,
         "server: `AggregatorCore.push` on the joined payload (no gRPC)":
             lambda: server.call(core.push, ours.header(), joined),
         "↳ of which the finite check (one `np.add.reduce` pass, as the core does it)":

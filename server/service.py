@@ -10,11 +10,12 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-import numpy as np
 
 from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols import murmura_pb2_grpc as pb_grpc
 from murmura.protocols import serde
+from murmura.protocols.pool import POOL_SCALARS_CODEC
+from murmura.server.buffers import DEFAULT_MAX_FREE, BufferPool, ReceiveBuffer
 from murmura.server.core import AggregatorCore
 from murmura.server.errors import InvalidArgument, ServiceError
 
@@ -26,9 +27,12 @@ MAX_WAIT_S = 30.0
 
 
 class AggregatorServicer(pb_grpc.AggregatorServicer):
-    def __init__(self, core: AggregatorCore, *, chunk_bytes: int = serde.CHUNK_BYTES) -> None:
+    def __init__(self, core: AggregatorCore, *, chunk_bytes: int = serde.CHUNK_BYTES,
+                 receive_buffers: int = DEFAULT_MAX_FREE) -> None:
         self.core = core
         self.chunk_bytes = chunk_bytes
+        #: Idle payload buffers kept between pushes (``receive_buffers`` at most); see buffers.py.
+        self.buffers = BufferPool(receive_buffers)
         self._event: asyncio.Event | None = None
         core.add_listener(self._notify)
 
@@ -76,13 +80,24 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext
                    ) -> AsyncIterator[pb.ModelChunk | memoryview]:
+        kind = request.kind
         try:
-            version, params = self.core.model(request.session)
+            if kind == pb.PullRequest.MODEL:
+                version, params = self.core.model(request.session)
+                spec, codec, base_version = self.core.spec, "dense-f32", 0
+            elif kind == pb.PullRequest.POOL_BASE:
+                base_version, params = self.core.pool_base(request.session)
+                version, spec, codec = base_version, self.core.spec, "dense-f32"
+            elif kind == pb.PullRequest.POOL_SCALARS:
+                version, base_version, params = self.core.pool_scalars(request.session)
+                spec, codec = None, POOL_SCALARS_CODEC
+            else:
+                raise InvalidArgument(f"unknown pull kind {kind}")
         except ServiceError as exc:
             await self._abort(context, exc)
         payload = memoryview(params).cast("B")  # published vectors are never modified
-        for item in serde.iter_model_items(version, self.core.spec, "dense-f32", payload,
-                                           self.chunk_bytes):
+        for item in serde.iter_model_items(version, spec, codec, payload, self.chunk_bytes,
+                                           base_version=base_version):
             self.core.add_download(serde.data_chunk_wire_bytes(len(item))
                                    if isinstance(item, memoryview) else item.ByteSize())
             yield item
@@ -90,7 +105,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     async def Push(self, request_iterator: AsyncIterator[pb.UpdateChunk | memoryview],
                    context: grpc.aio.ServicerContext) -> pb.PushReply:
         header = None
-        buf = memoryview(b"")
+        lease: ReceiveBuffer | None = None
         received = wire = 0
         try:
             async for item in request_iterator:
@@ -102,9 +117,9 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                     wire += item.ByteSize()
                     header = serde.update_header_from_proto(item.header)
                     self.core.precheck(header)  # refuse before receiving a payload
-                    # Copy each chunk in as it arrives, overlapping the transfer; numpy's
-                    # large allocations fault in fewer pages than a fresh bytes object.
-                    buf = memoryview(np.empty(header.payload_bytes, np.uint8))
+                    # Copy each chunk in as it arrives, overlapping the transfer, into a reused
+                    # buffer whose pages are already mapped (a fresh one faults on every page).
+                    lease = self.buffers.acquire(header.payload_bytes)
                 elif kind == "data":
                     data = item if isinstance(item, memoryview) else memoryview(item.data)
                     end = received + len(data)
@@ -112,7 +127,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                     if end > header.payload_bytes:
                         raise InvalidArgument(f"more payload than the {header.payload_bytes} "
                                               f"bytes the header announced")
-                    buf[received:end] = data
+                    assert lease is not None
+                    lease.write(received, data)
                     received = end
                 else:
                     raise InvalidArgument("a push carries exactly one header chunk")
@@ -121,10 +137,16 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             if received != header.payload_bytes:
                 raise InvalidArgument(f"header announced {header.payload_bytes} payload bytes, "
                                       f"the stream carried {received}")
-            result = self.core.push(header, buf, wire_bytes=wire)
+            assert lease is not None
+            # No local keeps the view: once core.push returns, only what the core or the policy
+            # kept of it can hold the buffer, and then release() leaves the buffer to them.
+            result = self.core.push(header, lease.view, wire_bytes=wire)
         except ServiceError as exc:
             log.info("push refused: %s %s", exc.status, exc.message)
             await self._abort(context, exc)
+        finally:
+            if lease is not None:
+                self.buffers.release(lease)
         return serde.push_result_to_proto(result)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext

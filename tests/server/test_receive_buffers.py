@@ -1,0 +1,256 @@
+"""Reused receive buffers (server/buffers.py): the pool itself, and pushes over real gRPC on
+loopback where a held update's bytes must survive the pushes that follow it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from murmura.client import GrpcTransport
+from murmura.protocols import DeviceProfile, ModelSpec, TensorSpec, UpdateHeader
+from murmura.server import AggregatorCore, ServerConfig
+from murmura.server.buffers import MIN_POOLED_BYTES, BufferPool
+from murmura.server.service import MAX_MESSAGE_BYTES, AggregatorServicer, add_servicer
+
+BIG = MIN_POOLED_BYTES + 4096  # pooled size
+
+
+# -- the pool --------------------------------------------------------------------------------
+
+
+def test_a_released_buffer_is_reused_with_its_pages() -> None:
+    pool = BufferPool()
+    lease = pool.acquire(BIG)
+    lease.write(0, b"\x01" * BIG)
+    assert bytes(lease.view[:3]) == b"\x01\x01\x01" and len(lease.view) == BIG
+    assert pool.release(lease) and pool.free == 1
+    again = pool.acquire(BIG - 10)  # fits: at least the size, at most twice
+    assert pool.reused == 1 and pool.allocated == 1 and pool.free == 0
+    assert len(again.view) == BIG - 10 and again.view[0] == 1  # the same memory
+
+
+def test_a_buffer_still_referenced_is_never_reused() -> None:
+    pool = BufferPool()
+    lease = pool.acquire(BIG)
+    lease.write(0, np.full(BIG // 4, 7.0, "<f4").tobytes())
+    held = np.frombuffer(lease.view, dtype="<f4")  # what dense-f32 decoding returns
+    assert not pool.release(lease)
+    assert pool.free == 0 and pool.withheld == 1
+    other = pool.acquire(BIG)
+    other.write(0, b"\x00" * BIG)
+    assert np.all(held == 7.0)
+    del held
+    assert pool.release(other) and pool.free == 1
+
+
+@pytest.mark.parametrize("keep", [
+    lambda v: v,                                      # the view itself
+    lambda v: v[10:20],                               # a slice of it
+    lambda v: np.frombuffer(v, np.uint8)[5:],         # a numpy view of a slice
+    lambda v: memoryview(np.frombuffer(v, np.uint8)),  # a memoryview of that
+])
+def test_any_surviving_view_keeps_the_buffer_out(keep: Callable[[memoryview], Any]) -> None:
+    pool = BufferPool()
+    lease = pool.acquire(BIG)
+    kept = keep(lease.view)
+    assert not pool.release(lease)
+    assert kept is not None
+
+
+def test_small_payloads_are_not_pooled_and_idle_buffers_are_bounded() -> None:
+    pool = BufferPool(max_free=2)
+    small = pool.acquire(100)
+    assert not pool.release(small) and pool.free == 0
+    leases = [pool.acquire(BIG) for _ in range(3)]
+    assert [pool.release(x) for x in leases] == [True, True, True]
+    assert pool.free == 2 and pool.free_bytes == 2 * BIG
+    assert not pool.release(leases[0])  # twice: harmless
+    huge = pool.acquire(3 * BIG)  # idle buffers too small: a new one
+    assert pool.allocated == 4 and pool.free == 2
+    pool.release(huge)
+    tiny = pool.acquire(MIN_POOLED_BYTES)  # 3 x BIG idle is more than twice too big
+    assert tiny.nbytes == MIN_POOLED_BYTES and pool.reused == 1  # one of the BIG ones
+    pool.clear()
+    assert pool.free == 0
+    assert not BufferPool(max_free=0).release(BufferPool(max_free=0).acquire(BIG))
+
+
+def test_writes_are_bounds_checked_and_released_leases_refuse_use() -> None:
+    pool = BufferPool()
+    lease = pool.acquire(BIG)
+    with pytest.raises(ValueError, match="do not fit"):
+        lease.write(BIG - 2, b"abc")
+    pool.release(lease)
+    with pytest.raises(ValueError, match="released"):
+        lease.view  # noqa: B018
+    with pytest.raises(ValueError, match="released"):
+        lease.write(0, b"a")
+
+
+# -- over gRPC -------------------------------------------------------------------------------
+
+P = BIG // 4  # floats per update: every push goes through a pooled buffer
+
+
+class LoopbackServer:
+    """The real servicer on a grpc.aio server in its own thread; the servicer stays reachable
+    so the tests can read its pool."""
+
+    def __init__(self, core: AggregatorCore) -> None:
+        self.core = core
+        self.servicer: AggregatorServicer | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: grpc.aio.Server | None = None
+        self.port = 0
+
+    async def _start(self) -> None:
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ])
+        self.servicer = AggregatorServicer(self.core)
+        add_servicer(self.servicer, server)
+        self.port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        self._server = server
+
+    def start(self) -> LoopbackServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+        assert self.port != 0
+        return self
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        async def run() -> Any:
+            return fn()
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            asyncio.run_coroutine_threadsafe(self._server.stop(None), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., tuple[LoopbackServer, GrpcTransport]]]:
+    started: list[tuple[LoopbackServer, GrpcTransport]] = []
+
+    def start(**cfg: Any) -> tuple[LoopbackServer, GrpcTransport]:
+        spec = ModelSpec((TensorSpec("w", (P,)),))
+        core = AggregatorCore(ServerConfig(**cfg), spec, np.zeros(P, np.float32))
+        srv = LoopbackServer(core).start()
+        transport = GrpcTransport(f"127.0.0.1:{srv.port}", timeout_s=30)
+        started.append((srv, transport))
+        return srv, transport
+
+    yield start
+    for srv, transport in started:
+        transport.close()
+        srv.stop()
+
+
+def _push(t: GrpcTransport, session: str, update: np.ndarray, *, n: int, round_: int,
+          base: int = 0) -> None:
+    payload = update.astype("<f4").tobytes()
+    header = UpdateHeader(session=session, update_id=uuid.uuid4().hex, base_version=base,
+                          round=round_, num_examples=n, codec="dense-f32",
+                          payload_bytes=len(payload))
+    result = t.push(header, payload)
+    assert not result.duplicate
+
+
+def _pool_stats(srv: LoopbackServer) -> dict[str, int]:
+    def read() -> dict[str, int]:
+        assert srv.servicer is not None
+        pool = srv.servicer.buffers
+        return {"allocated": pool.allocated, "reused": pool.reused, "withheld": pool.withheld,
+                "free": pool.free}
+    return srv.call(read)
+
+
+def _model(srv: LoopbackServer) -> tuple[int, np.ndarray]:
+    return srv.call(lambda: (srv.core.version, srv.core.params.copy()))
+
+
+def test_held_out_of_order_updates_are_not_overwritten_by_later_pushes(serve) -> None:
+    # Sync rounds fold in client-id order: c and b arrive first and wait, as views of their
+    # receive buffers, for a; a's push (and the next round's) must not land in those buffers.
+    srv, t = serve(min_clients=3)
+    sessions = {c: t.join(c, DeviceProfile())[0].session for c in ("a", "b", "c")}
+    for s in sessions.values():
+        assert t.task(s, 0).action.name == "TRAIN"
+    rng = np.random.default_rng(5)
+    updates = {c: rng.standard_normal(P, dtype=np.float32) for c in ("a", "b", "c")}
+    counts = {"a": 1, "b": 2, "c": 3}
+
+    _push(t, sessions["c"], updates["c"], n=counts["c"], round_=1)
+    _push(t, sessions["b"], updates["b"], n=counts["b"], round_=1)
+    assert srv.call(lambda: srv.core.policy.buffered()) == 2
+    stats = _pool_stats(srv)
+    assert stats["withheld"] == 2 and stats["free"] == 0  # both still held by the policy
+    _push(t, sessions["a"], updates["a"], n=counts["a"], round_=1)
+
+    version, params = _model(srv)
+    acc = np.zeros(P, np.float32)  # the fold the server does: a, b, c in order, float32
+    for c in ("a", "b", "c"):
+        acc += np.float32(counts[c]) * updates[c]
+    expected = acc / np.float32(sum(counts.values()))
+    assert version == 1
+    np.testing.assert_allclose(params, expected, rtol=1e-5, atol=1e-6)
+    # a was folded on arrival and its buffer went back; b's and c's were freed by the policy
+    assert _pool_stats(srv)["free"] == 1
+
+    # Round 2, again out of order, now reusing a pooled buffer for the held update.
+    for s in sessions.values():
+        assert t.task(s, 1).action.name == "TRAIN"
+    new = {c: rng.standard_normal(P, dtype=np.float32) for c in ("a", "b", "c")}
+    _push(t, sessions["b"], new["b"], n=1, round_=2, base=1)
+    assert _pool_stats(srv)["reused"] == 1
+    _push(t, sessions["c"], new["c"], n=1, round_=2, base=1)
+    _push(t, sessions["a"], new["a"], n=1, round_=2, base=1)
+    version, params2 = _model(srv)
+    assert version == 2
+    acc = np.zeros(P, np.float32)
+    for c in ("a", "b", "c"):
+        acc += new[c]
+    np.testing.assert_allclose(params2, params + acc / np.float32(3), rtol=1e-5, atol=1e-5)
+
+
+def test_async_pushes_reuse_one_buffer_and_fold_the_right_bytes(serve) -> None:
+    srv, t = serve(mode="async", buffer_size=4, max_staleness=10)
+    session = t.join("a", DeviceProfile())[0].session
+    rng = np.random.default_rng(6)
+    updates = [rng.standard_normal(P, dtype=np.float32) for _ in range(4)]
+    for u in updates:
+        assert t.task(session, 0).action.name == "TRAIN"
+        _push(t, session, u, n=2, round_=0)
+    stats = _pool_stats(srv)
+    assert stats["allocated"] == 1 and stats["reused"] == 3 and stats["withheld"] == 0
+    version, params = _model(srv)
+    assert version == 1
+    np.testing.assert_allclose(params, np.mean(updates, axis=0), rtol=1e-5, atol=1e-6)
+
+
+def test_a_refused_push_leaves_the_pool_usable(serve) -> None:
+    srv, t = serve(mode="async", buffer_size=2, max_staleness=10)
+    session = t.join("a", DeviceProfile())[0].session
+    bad = np.ones(P, np.float32)
+    bad[7] = np.nan
+    with pytest.raises(Exception, match="NaN"):
+        _push(t, session, bad, n=1, round_=0)
+    good = [np.full(P, v, np.float32) for v in (1.0, 3.0)]
+    for u in good:
+        _push(t, session, u, n=1, round_=0)
+    version, params = _model(srv)
+    assert version == 1 and np.all(params == 2.0)
+    assert _pool_stats(srv)["withheld"] <= 1  # a refusal's traceback may keep its buffer
