@@ -6,6 +6,7 @@ Data", https://arxiv.org/abs/1602.05629.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -18,15 +19,31 @@ from murmura.aggregation.base import (
     register_aggregator,
 )
 
+#: None until the first read-only update; then whether torch.from_numpy warns every time.
+_readonly_warns_every_time: bool | None = None
+
 
 def _as_tensor(x: FlatVector) -> torch.Tensor:
-    # torch.from_numpy shares memory; it warns for read-only arrays (np.frombuffer on bytes),
-    # which is harmless here because the update tensor is only read.
-    if x.flags.writeable:
+    """``x`` as a tensor sharing its memory; read-only arrays too, without a warning.
+
+    torch warns about read-only arrays (np.frombuffer on received bytes), which is harmless
+    here because the update tensor is only read, but it does so once per process
+    (TORCH_WARN_ONCE). So only the first read-only update needs ``warnings.catch_warnings``,
+    which costs ~3 us (2% of folding a 4 MB update); a second conversion there tells whether
+    this torch warns once, as assumed, or every time, which keeps the guard on every call.
+    """
+    global _readonly_warns_every_time
+    if x.flags.writeable or _readonly_warns_every_time is False:
         return torch.from_numpy(x)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        return torch.from_numpy(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tensor = torch.from_numpy(x)
+        if _readonly_warns_every_time is None:
+            torch.from_numpy(x)
+    if _readonly_warns_every_time is None:
+        repeated = sum("not writable" in str(w.message) for w in caught) > 1
+        _readonly_warns_every_time = repeated
+    return tensor
 
 
 def _fused_add(acc: torch.Tensor, update: torch.Tensor, alpha: float) -> None:
@@ -47,31 +64,54 @@ def _fused_add(acc: torch.Tensor, update: torch.Tensor, alpha: float) -> None:
             torch.set_num_threads(threads)
 
 
+#: Accumulator alignment: a cache line (and one AVX-512 vector).
+ALIGN_BYTES = 64
+
+
+def aligned_zeros(size: int, align: int = ALIGN_BYTES) -> FlatVector:
+    """A zeroed float32 vector whose first element starts on an ``align``-byte boundary.
+
+    Large numpy allocations come from ``mmap`` plus malloc's 16-byte header, so they start 16
+    bytes past a page: every 64-byte vector store of the fold then straddles two cache lines.
+    An aligned accumulator made torch's single-threaded ``add_`` 6-7% faster on 4 MB vectors
+    (AMD EPYC, AVX-512), which is most of its gap to numpy's ``+=``. Costs ``align`` bytes.
+    """
+    raw = np.zeros(size * 4 + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + size * 4].view(np.float32)
+
+
 class WeightedMean(Aggregator):
     """sum_i w_i f_i u_i / sum_i w_i, in one float32 accumulator.
 
     The accumulate step is one fused multiply-add over the vector (torch ``add_`` with
-    ``alpha``, single-threaded), which runs at memory bandwidth; memory stays O(model) whatever
-    the number of updates. Float32 summation depends on the order of the updates; callers that need
-    bit-identical reruns add them in a fixed order (the sync policy does).
+    ``alpha``, single-threaded, into a cache-line-aligned accumulator), which runs at memory
+    bandwidth; memory stays O(model) whatever the number of updates. Float32 summation depends
+    on the order of the updates; callers that need bit-identical reruns add them in a fixed
+    order (the sync policy does).
     """
 
     name = "fedavg"
 
     def __init__(self, size: int) -> None:
         super().__init__(size)
-        self._acc = np.zeros(size, dtype=np.float32)
+        self._shape = (size,)
+        self._acc = aligned_zeros(size)
         self._acc_t = torch.from_numpy(self._acc)
         self._total = 0.0
         self._count = 0
 
     def add(self, update: FlatVector, weight: float, *, factor: float = 1.0,
             client_id: str = "") -> None:
-        self._check(update, weight, factor)
+        w, f = float(weight), float(factor)
+        # The common case in plain floats (~0.2 us); anything odd gets the shared check, which
+        # raises with its message (numpy scalar checks cost ~1 us, 0.6% of a 4 MB fold).
+        if not (update.shape == self._shape and 0.0 < w < math.inf and 0.0 <= f < math.inf):
+            self._check(update, weight, factor)
         if update.dtype != np.float32:
             update = update.astype(np.float32)
-        _fused_add(self._acc_t, _as_tensor(update), float(weight) * float(factor))
-        self._total += float(weight)
+        _fused_add(self._acc_t, _as_tensor(update), w * f)
+        self._total += w
         self._count += 1
 
     def result(self) -> FlatVector:
