@@ -451,7 +451,7 @@ class Simulation:
         assert flight.payload is not None
         self._update_seq += 1
         flight.header = UpdateHeader(
-            session=self.sessions[c], update_id=f"{self._update_seq:032x}",
+            session=self.sessions[c], update_id=f"{self._update_seq:012x}",  # runtime ids: 12 chars
             base_version=flight.version, round=flight.round,
             num_examples=flight.num_examples, codec=self.settings.codec,
             payload_bytes=len(flight.payload), metrics=flight.metrics,
