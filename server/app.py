@@ -59,6 +59,7 @@ class AggregatorServer:
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._done = asyncio.Event()
+        self.servicer: AggregatorServicer | None = None
 
     @property
     def address(self) -> str:
@@ -71,7 +72,8 @@ class AggregatorServer:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ])
-        add_servicer(AggregatorServicer(self.core), server)
+        self.servicer = AggregatorServicer(self.core)
+        add_servicer(self.servicer, server)
         self.port = server.add_insecure_port(self.requested_address)
         if self.port == 0:
             raise OSError(f"could not bind {self.requested_address}")

@@ -14,10 +14,12 @@ from murmura.client.zo import SettingsTrainer, ZOTrainer, bind_flat, make_traine
 from murmura.protocols import ModelSpec, TaskSettings, create_codec
 from murmura.protocols.codecs.seed import SeedCodec, replay
 from murmura.server import AggregatorCore, ServerConfig
-from murmura.tasks import ArrayDataset, TaskConfig, evaluate, load_task
+from murmura.tasks import ArrayDataset, evaluate
 from tests.client.core_transport import CoreTransport
 
 RecordingTransport = CoreTransport
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def sha256(vector: np.ndarray) -> str:
@@ -29,20 +31,6 @@ def zo_settings(**overrides: object) -> TaskSettings:
                 lr=1e-3, zo_eps=1e-3)
     base.update(overrides)
     return TaskSettings(**base)  # type: ignore[arg-type]
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Many tiny kernels: with more threads, OpenMP barriers dominate on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_task(TaskConfig(task="digits", model="mlp", partition="dirichlet", alpha=0.5))
 
 
 @pytest.mark.parametrize("options", [{}, {"dtype": "int8"}, {"seed_bits": "64"}])

@@ -16,10 +16,12 @@ from murmura.protocols.codecs.seed import SeedCodec, ZOSteps, pool_model, replay
 from murmura.protocols.pool import seed_pool_for
 from murmura.server import AggregatorCore, ServerConfig, ServiceError
 from murmura.server.checkpoint import load_checkpoint
-from murmura.tasks import TaskConfig, evaluate, load_task
+from murmura.tasks import evaluate
 from tests.client.core_transport import CoreTransport
 
 K = 64
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def sha256(vector: np.ndarray) -> str:
@@ -31,19 +33,6 @@ def pool_settings(k: int = K, **overrides: object) -> TaskSettings:
                 local_steps=60, batch_size=32, lr=8e-3, zo_eps=1e-3, seed=7)
     base.update(overrides)
     return TaskSettings(**base)  # type: ignore[arg-type]
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_task(TaskConfig(task="digits", model="mlp", partition="dirichlet", alpha=0.5))
 
 
 def start_vector(digits) -> tuple[ModelSpec, np.ndarray]:

@@ -3,21 +3,17 @@ loopback where a held update's bytes must survive the pushes that follow it."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 
 from murmura.client import GrpcTransport
 from murmura.protocols import DeviceProfile, ModelSpec, TensorSpec, UpdateHeader
-from murmura.server import AggregatorCore, ServerConfig
+from murmura.server import AggregatorCore, ServerConfig, ServerThread
 from murmura.server.buffers import MIN_POOLED_BYTES, BufferPool
-from murmura.server.service import MAX_MESSAGE_BYTES, AggregatorServicer, add_servicer
 
 BIG = MIN_POOLED_BYTES + 4096  # pooled size
 
@@ -99,64 +95,22 @@ def test_writes_are_bounds_checked_and_released_leases_refuse_use() -> None:
 P = BIG // 4  # floats per update: every push goes through a pooled buffer
 
 
-class LoopbackServer:
-    """The real servicer on a grpc.aio server in its own thread; the servicer stays reachable
-    so the tests can read its pool."""
-
-    def __init__(self, core: AggregatorCore) -> None:
-        self.core = core
-        self.servicer: AggregatorServicer | None = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._server: grpc.aio.Server | None = None
-        self.port = 0
-
-    async def _start(self) -> None:
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ])
-        self.servicer = AggregatorServicer(self.core)
-        add_servicer(self.servicer, server)
-        self.port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        self._server = server
-
-    def start(self) -> LoopbackServer:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
-        assert self.port != 0
-        return self
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        async def run() -> Any:
-            return fn()
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
-
-    def stop(self) -> None:
-        if self._server is not None:
-            asyncio.run_coroutine_threadsafe(self._server.stop(None), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
-        self._loop.close()
-
-
 @pytest.fixture
-def serve() -> Iterator[Callable[..., tuple[LoopbackServer, GrpcTransport]]]:
-    started: list[tuple[LoopbackServer, GrpcTransport]] = []
+def serve() -> Iterator[Callable[..., tuple[ServerThread, GrpcTransport]]]:
+    started: list[tuple[ServerThread, GrpcTransport]] = []
 
-    def start(**cfg: Any) -> tuple[LoopbackServer, GrpcTransport]:
+    def start(**cfg: Any) -> tuple[ServerThread, GrpcTransport]:
         spec = ModelSpec((TensorSpec("w", (P,)),))
         core = AggregatorCore(ServerConfig(**cfg), spec, np.zeros(P, np.float32))
-        srv = LoopbackServer(core).start()
-        transport = GrpcTransport(f"127.0.0.1:{srv.port}", timeout_s=30)
+        srv = ServerThread(core, "127.0.0.1:0").start()
+        transport = GrpcTransport(srv.address, timeout_s=30)
         started.append((srv, transport))
         return srv, transport
 
     yield start
     for srv, transport in started:
         transport.close()
-        srv.stop()
+        srv.stop(grace=None)
 
 
 def _push(t: GrpcTransport, session: str, update: np.ndarray, *, n: int, round_: int,
@@ -169,16 +123,16 @@ def _push(t: GrpcTransport, session: str, update: np.ndarray, *, n: int, round_:
     assert not result.duplicate
 
 
-def _pool_stats(srv: LoopbackServer) -> dict[str, int]:
+def _pool_stats(srv: ServerThread) -> dict[str, int]:
     def read() -> dict[str, int]:
-        assert srv.servicer is not None
-        pool = srv.servicer.buffers
+        assert srv.server is not None and srv.server.servicer is not None
+        pool = srv.server.servicer.buffers
         return {"allocated": pool.allocated, "reused": pool.reused, "withheld": pool.withheld,
                 "free": pool.free}
     return srv.call(read)
 
 
-def _model(srv: LoopbackServer) -> tuple[int, np.ndarray]:
+def _model(srv: ServerThread) -> tuple[int, np.ndarray]:
     return srv.call(lambda: (srv.core.version, srv.core.params.copy()))
 
 
