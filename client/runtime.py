@@ -168,17 +168,23 @@ class ClientRuntime:
         if self._pool is None:
             return self._call(lambda: self.transport.pull(self.session))
         pool = self._pool
-        version, base_version, scalars = self._call(
-            lambda: self.transport.pull_pool_scalars(self.session))
-        if scalars.shape != (len(pool),) or not np.isfinite(scalars).all():
-            raise RemoteError("DATA_LOSS", f"the server sent {scalars.shape} pool scalars (or "
-                                           f"non-finite ones); the pool has {len(pool)}")
-        if self._pool_base is None or self._pool_base[0] != base_version:
-            got, base = self._call(lambda: self.transport.pull_pool_base(self.session))
-            if got != base_version or base.shape != (self.trainer.spec.size,):
-                raise RemoteError("ABORTED", "the seed pool's base changed during the pull")
-            self._pool_base = (got, base)
-            log.info("%s: pulled the seed pool's base (version %d)", self.client_id, got)
+
+        def fetch() -> tuple[int, FlatVector]:
+            # one retryable unit: a base that changes between the two pulls is retried whole
+            version, base_version, scalars = self.transport.pull_pool_scalars(self.session)
+            if scalars.shape != (len(pool),) or not np.isfinite(scalars).all():
+                raise RemoteError("DATA_LOSS", f"the server sent {scalars.shape} pool scalars "
+                                               f"(or non-finite ones); the pool has {len(pool)}")
+            if self._pool_base is None or self._pool_base[0] != base_version:
+                got, base = self.transport.pull_pool_base(self.session)
+                if got != base_version or base.shape != (self.trainer.spec.size,):
+                    raise RemoteError("ABORTED", "the seed pool's base changed during the pull")
+                self._pool_base = (got, base)
+                log.info("%s: pulled the seed pool's base (version %d)", self.client_id, got)
+            return version, scalars
+
+        version, scalars = self._call(fetch)
+        assert self._pool_base is not None
         return version, pool_model(self._pool_base[1], pool, scalars)
 
     def step(self, round_: int, seed: int) -> None:

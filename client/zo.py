@@ -183,7 +183,10 @@ class ZOTrainer(Trainer):
         encoder = codec.encoder(self.spec.size, seed=seed)
         # FedKSeed: with a shared pool, every step seed is one of the pool's K seeds.
         pool = codec.pool(settings.seed)
-        pick = np.random.default_rng(seed) if pool is not None else None
+        next_seed = encoder.next_seed
+        if pool is not None:
+            pick = np.random.default_rng(seed)
+            next_seed = lambda: pool.sample(pick)  # noqa: E731
         gen = torch.Generator().manual_seed(seed % (2**63))
         theta = self.theta
         start = torch.from_numpy(np.ascontiguousarray(params, dtype=np.float32))
@@ -199,8 +202,7 @@ class ZOTrainer(Trainer):
                 before = steps
                 for x, y in iter_batches(self.data, settings.batch_size, gen):
                     x, y = x.to(self.device), y.to(self.device)
-                    step_seed = (pool.sample(pick) if pool is not None and pick is not None
-                                 else encoder.next_seed())
+                    step_seed = next_seed()
                     perturb = _perturber(theta, step_seed)
                     perturb(eps)                    # theta + eps z
                     plus = self._loss(x, y)
