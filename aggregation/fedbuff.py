@@ -64,3 +64,8 @@ class FedBuff:
     @property
     def count(self) -> int:
         return self._agg.count
+
+    @property
+    def aggregator(self) -> Aggregator:
+        """The rule the buffer folds into (a serverless tier folds into it directly)."""
+        return self._agg

@@ -256,6 +256,8 @@ async def _serve(server_cfg: Any, task: Any, args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before the address is announced
         loop.add_signal_handler(sig, stop.set)
+    if server_cfg.role == "leaf":
+        return await _serve_leaf(server_cfg, task, args, stop)
     out = Path(args.out)
     resume = args.resume
     if resume == "auto":
@@ -282,6 +284,33 @@ async def _serve(server_cfg: Any, task: Any, args: argparse.Namespace) -> int:
     await srv.stop(grace=1.0)
     summary = core.recorder.finish()
     print(f"stopped at version {summary['versions']}; results in {out}", flush=True)
+    return 0
+
+
+async def _serve_leaf(server_cfg: Any, task: Any, args: argparse.Namespace,
+                      stop: asyncio.Event) -> int:
+    from murmura.server.leaf import Leaf
+
+    leaf = Leaf(server_cfg, task, out_dir=Path(args.out))
+    await leaf.start()
+    print(f"murmura leaf listening on {leaf.address} (upstream {server_cfg.upstream})",
+          flush=True)
+    done = asyncio.ensure_future(leaf.wait_done())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({done, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if done.done() and not stop.is_set():
+        log.info("the parent ended the run; telling clients to stop")
+        try:
+            await asyncio.wait_for(stop.wait(), args.linger_s)
+        except asyncio.TimeoutError:
+            pass
+    done.cancel()
+    stopped.cancel()
+    await leaf.stop(grace=1.0)
+    if leaf.link_error is not None:
+        print(f"murmura server: the upstream link failed: {leaf.link_error}", file=sys.stderr)
+        return 1
+    print(f"leaf stopped; results in {args.out}", flush=True)
     return 0
 
 

@@ -134,6 +134,8 @@ class ClientRuntime:
                     raise
                 self.stats.retries += 1
                 pause = delay * (1 + self.retry.jitter * (2 * self._rand.random() - 1))
+                if exc.retry_after_s is not None:  # the server is busy: back off as it asks
+                    pause = max(pause, exc.retry_after_s)
                 log.info("%s: %s; retrying in %.2fs", self.client_id, exc.status, pause)
                 self.sleep(pause)
                 delay = min(delay * self.retry.multiplier, self.retry.max_s)
@@ -191,6 +193,7 @@ class ClientRuntime:
         """One task: pull the current model, train, push the update."""
         assert self.settings is not None and self._encoder is not None
         version, base = self._pull()
+        self.trainer.on_pull(version)
         result = self.trainer.train(base, self.settings, seed=seed)  # reads, never writes base
         if result.encoded is not None:
             codec, payload = result.encoded

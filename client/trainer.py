@@ -39,6 +39,10 @@ class TrainResult:
 class Trainer(ABC):
     spec: ModelSpec
 
+    def on_pull(self, version: int) -> None:  # noqa: B027 - optional hook
+        """Called with the global version about to be trained on (a leaf aggregator's link
+        installs it for its own clients); plain trainers ignore it."""
+
     @abstractmethod
     def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
         """Start from ``params``, train locally, return the result.

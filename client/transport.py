@@ -30,17 +30,27 @@ from murmura.protocols.pool import POOL_SCALARS_CODEC
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED"})
 
 
-class RemoteError(Exception):
-    """The aggregator refused a request or could not be reached; ``status`` names why."""
+#: Trailing metadata of a back-pressure refusal: milliseconds to wait before retrying.
+RETRY_AFTER_KEY = "murmura-retry-after-ms"
 
-    def __init__(self, status: str, message: str) -> None:
+
+class RemoteError(Exception):
+    """The aggregator refused a request or could not be reached; ``status`` names why.
+
+    ``retry_after_s`` is set when the server said the refusal is temporary (back-pressure:
+    RESOURCE_EXHAUSTED with a retry hint), which makes it retryable after that pause.
+    """
+
+    def __init__(self, status: str, message: str, *, retry_after_s: float | None = None
+                 ) -> None:
         super().__init__(f"{status}: {message}")
         self.status = status
         self.message = message
+        self.retry_after_s = retry_after_s
 
     @property
     def retryable(self) -> bool:
-        return self.status in RETRYABLE
+        return self.status in RETRYABLE or self.retry_after_s is not None
 
 
 class Transport(ABC):
@@ -108,7 +118,16 @@ class GrpcTransport(Transport):
     def _wrap(exc: grpc.RpcError) -> RemoteError:
         code = exc.code() if hasattr(exc, "code") else None
         details = exc.details() if hasattr(exc, "details") else str(exc)
-        return RemoteError(code.name if code else "UNKNOWN", details or "")
+        retry_after = None
+        trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+        for key, value in trailing or ():
+            if key == RETRY_AFTER_KEY:
+                try:
+                    retry_after = min(max(int(value) / 1000.0, 0.0), 60.0)
+                except ValueError:
+                    pass
+        return RemoteError(code.name if code else "UNKNOWN", details or "",
+                           retry_after_s=retry_after)
 
     def join(self, client_id: str, profile: DeviceProfile, token: str = ""
              ) -> tuple[JoinResult, ModelSpec]:

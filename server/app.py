@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,9 @@ from murmura.server.config import ServerConfig
 from murmura.server.core import AggregatorCore, evaluator_for
 from murmura.server.outputs import RunRecorder
 from murmura.server.service import MAX_MESSAGE_BYTES, AggregatorServicer, add_servicer
-from murmura.tasks import TaskConfig, load_task
+from murmura.server.publisher import Publisher
+from murmura.server.tier import Tier
+from murmura.tasks import Task, TaskConfig, load_task
 
 log = logging.getLogger(__name__)
 
@@ -26,21 +30,33 @@ CHECKPOINT_NAME = "checkpoint.npz"
 
 def build_core(config: ServerConfig, task_config: TaskConfig, *, out_dir: str | Path | None,
                resume: str | Path | None = None, evaluate: bool = True,
-               extra_config: dict[str, Any] | None = None) -> AggregatorCore:
-    """An aggregator core for a bundled task: initial model, evaluator, outputs, checkpoint."""
-    task = load_task(task_config)
+               extra_config: dict[str, Any] | None = None, task: Task | None = None,
+               clock: Callable[[], float] = time.monotonic, checkpoint: bool = True,
+               fresh_metrics: bool = False) -> AggregatorCore:
+    """The one way an aggregator is assembled, for the gRPC server, a leaf, the simulator and
+    the benchmarks: initial model, evaluator, outputs, checkpoint, policy and decoder.
+
+    ``task`` reuses an already loaded task; ``clock`` is the simulator's virtual clock;
+    ``fresh_metrics`` starts a new metrics file in ``out_dir``. The transport decides where
+    decoding and publishing run (:class:`AggregatorServer` gives them workers and a thread).
+    """
+    task = task if task is not None else load_task(task_config)
     model = task.build_model(seed=config.seed)
     spec = ModelSpec.from_module(model)
     start = load_checkpoint(resume) if resume else None
     recorder = None
     checkpoint_path = None
     if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if fresh_metrics and (out / "metrics.jsonl").exists():
+            (out / "metrics.jsonl").unlink()
         recorder = RunRecorder(out_dir, config={
             "server": dataclasses.asdict(config), "task": dataclasses.asdict(task_config),
             **(extra_config or {})})
-        checkpoint_path = Path(out_dir) / CHECKPOINT_NAME
+        checkpoint_path = out / CHECKPOINT_NAME if checkpoint else None
     evaluator = evaluator_for(task.model_factory, spec, task.test) if evaluate else None
-    core = AggregatorCore(config, spec, spec.flatten(model), evaluator=evaluator,
+    core = AggregatorCore(config, spec, spec.flatten(model), evaluator=evaluator, clock=clock,
                           recorder=recorder, checkpoint_path=checkpoint_path, start=start)
     if start is not None:
         log.info("resumed from %s at version %d", resume, start.version)
@@ -48,11 +64,18 @@ def build_core(config: ServerConfig, task_config: TaskConfig, *, out_dir: str | 
 
 
 class AggregatorServer:
-    """A grpc.aio server around a core, bound to ``config.address`` (port 0 picks one)."""
+    """A grpc.aio server around a core, bound to ``config.address`` (port 0 picks one).
+
+    It assembles the serverless tier around the core: the gateway (this event loop), the
+    aggregation functions (:class:`~murmura.server.tier.Tier`: worker processes, Ray, or inline
+    for ``workers = 0``) and the publisher thread. Only byte moving and bookkeeping run on the
+    event loop.
+    """
 
     def __init__(self, core: AggregatorCore, address: str | None = None, *,
                  tick_s: float = 0.25) -> None:
         self.core = core
+        self.tier: Tier | None = None
         self.requested_address = address or core.config.address
         self.tick_s = tick_s
         self.port = 0
@@ -72,7 +95,12 @@ class AggregatorServer:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ])
-        self.servicer = AggregatorServicer(self.core)
+        loop = asyncio.get_running_loop()
+        self.tier = Tier.for_config(self.core.config, self.core.decoder)
+        self.core.publisher = Publisher(threaded=True)
+        self.core.post = loop.call_soon_threadsafe
+        self.core.row_extras = self.tier.stats
+        self.servicer = AggregatorServicer(self.core, tier=self.tier)
         add_servicer(self.servicer, server)
         self.port = server.add_insecure_port(self.requested_address)
         if self.port == 0:
@@ -81,7 +109,11 @@ class AggregatorServer:
         self._server = server
         self.core.add_listener(self._check_done)
         self._ticker = asyncio.create_task(self._tick())
-        log.info("aggregator listening on %s (mode=%s)", self.address, self.core.config.mode)
+        cfg = self.core.config
+        where = ("in-process" if self.tier.inline else
+                 f"{cfg.backend} workers, up to {cfg.worker_limit}")
+        log.info("aggregator listening on %s (mode=%s, decoding: %s)", self.address, cfg.mode,
+                 where)
 
     def _check_done(self) -> None:
         if self.core.done:
@@ -109,6 +141,11 @@ class AggregatorServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        # Versions being made are finished (metrics, checkpoint) before the tier goes.
+        await asyncio.get_running_loop().run_in_executor(None, self.core.publisher.close)
+        if self.tier is not None:
+            await self.tier.close()
+            self.tier = None
 
 
 class ServerThread:
@@ -118,24 +155,37 @@ class ServerThread:
     through :meth:`call`, which runs a function on the server's loop.
     """
 
-    def __init__(self, core: AggregatorCore, address: str | None = None) -> None:
-        self.core = core
+    def __init__(self, core: AggregatorCore | Any, address: str | None = None) -> None:
+        #: A core to serve, or a ready server-like object with async ``start``, ``stop`` and
+        #: ``wait_done`` and an ``address`` (a :class:`~murmura.server.leaf.Leaf`).
+        self._target = core
+        self.core: AggregatorCore | None = core if isinstance(core, AggregatorCore) else None
         self._address = address
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="murmura-aggregator")
-        self.server: AggregatorServer | None = None
+        self.server: Any = None
 
     def start(self) -> ServerThread:
         self._thread.start()
-        self.server = AggregatorServer(self.core, self._address)
-        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=30)
+        if self.core is not None:
+            self.server = AggregatorServer(self.core, self._address)
+        else:
+            self.server = self._target
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=60)
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            raise
+        if self.core is None:
+            self.core = self.server.core
         return self
 
     @property
     def port(self) -> int:
         assert self.server is not None
-        return self.server.port
+        return int(self.address.rsplit(":", 1)[1])
 
     @property
     def address(self) -> str:

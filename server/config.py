@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,9 @@ from murmura.protocols.pool import seed_pool_for
 
 MODES = ("sync", "async")
 STALENESS = ("constant", "polynomial", "hinge")
+ACCUMULATORS = ("float32", "exact")
+BACKENDS = ("process", "ray")
+ROLES = ("top", "leaf")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,19 @@ class ServerConfig:
     defense_options: dict[str, str] = field(default_factory=dict)  # e.g. f=2, trim=0.2
     optimizer: str = "fedavg"
     server_lr: float = 1.0
+    accumulator: str = "float32"   # float32 (fast) or exact (order-independent, bit-identical)
+    # the serverless aggregation tier: where updates are decoded
+    workers: int = -1              # -1: worker processes, 0..max_workers; 0: in-process; N: 0..N
+    max_workers: int = 0           # 0: cores - 1 (at least 1)
+    worker_idle_s: float = 10.0    # a worker idle this long stops
+    max_queue: int = 64            # updates waiting for a worker before pushes are refused
+    slab_mb: float = 2048.0        # shared memory for payloads and decoded updates in flight
+    backend: str = "process"       # process (local worker processes) or ray
+    ray_address: str = ""          # backend ray: a cluster address; empty starts a local Ray
+    # hierarchy
+    role: str = "top"              # top, or leaf: fold clients' updates and push upstream
+    upstream: str = ""             # leaf: the parent aggregator's HOST:PORT
+    name: str = ""                 # leaf: its client id at the parent (default: leaf-HOST-PORT)
     # limits and identity
     max_payload_mb: float = 1024.0
     join_token: str = ""
@@ -77,7 +94,7 @@ class ServerConfig:
             raise ValueError(f"unknown defense {self.defense!r}; "
                              f"available: {', '.join(available_aggregators())}")
         try:  # build one small instance so bad options fail now, not at the first round
-            create_aggregator(self.defense, 16, **self.defense_kwargs())
+            probe = create_aggregator(self.defense, 16, **self.defense_kwargs())
         except (AggregationError, TypeError) as exc:
             raise ValueError(f"defense {self.defense!r}: {exc}") from None
         if self.optimizer not in available_optimizers():
@@ -91,6 +108,37 @@ class ServerConfig:
             raise ValueError(f"a seed pool (codec 'seed' with pool={len(pool)}) aggregates in "
                              f"pool coordinates, where only the linear 'fedavg' server optimizer "
                              f"is defined; got optimizer {self.optimizer!r}")
+        if self.accumulator not in ACCUMULATORS:
+            raise ValueError(f"accumulator must be one of {ACCUMULATORS}, got "
+                             f"{self.accumulator!r}")
+        decomposable = bool(getattr(probe, "decomposable", False))
+        if self.accumulator == "exact" and not decomposable:
+            raise ValueError(f"accumulator 'exact' needs a decomposable rule (fedavg); defense "
+                             f"{self.defense!r} aggregates the whole buffer")
+        if self.workers < -1:
+            raise ValueError(f"workers must be -1 (autoscaled worker processes), 0 (decode "
+                             f"in-process) or N > 0 (at most N workers), got {self.workers}")
+        if self.max_workers < 0:
+            raise ValueError(f"max_workers must be >= 0 (0: cores - 1), got {self.max_workers}")
+        if not self.worker_idle_s > 0:
+            raise ValueError(f"worker_idle_s must be positive, got {self.worker_idle_s}")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if not self.slab_mb > 0:
+            raise ValueError(f"slab_mb must be positive, got {self.slab_mb}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role == "leaf":
+            if not self.upstream:
+                raise ValueError("role 'leaf' needs upstream HOST:PORT (the parent aggregator)")
+            if not decomposable:
+                raise ValueError(f"a leaf forwards a partial aggregate, which needs a "
+                                 f"decomposable rule (fedavg); defense {self.defense!r} needs "
+                                 f"every update: run it at the top")
+        elif self.upstream:
+            raise ValueError("upstream is only for role 'leaf'")
         if not self.server_lr > 0:
             raise ValueError(f"server_lr must be positive, got {self.server_lr}")
         if not self.max_payload_mb > 0:
@@ -103,6 +151,14 @@ class ServerConfig:
     @property
     def max_payload_bytes(self) -> int:
         return int(self.max_payload_mb * (1 << 20))
+
+    @property
+    def worker_limit(self) -> int:
+        """The most aggregation worker processes: ``workers`` if positive, else
+        ``max_workers``, else cores − 1 (at least 1)."""
+        if self.workers > 0:
+            return self.workers
+        return self.max_workers or max((os.cpu_count() or 2) - 1, 1)
 
 
 def _parse_option(value: str) -> Any:

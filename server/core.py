@@ -15,42 +15,43 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from murmura.aggregation import create_optimizer
+from murmura.aggregation import Aggregator, create_optimizer
 from murmura.protocols import (
     PROTOCOL_VERSION,
     Action,
-    CodecError,
     DeviceProfile,
     FlatVector,
     JoinResult,
     ModelSpec,
     PushResult,
     Task,
-    UnknownCodecError,
     UpdateHeader,
-    create_codec,
 )
-from murmura.protocols.codecs import Codec
-from murmura.protocols.codecs.seed import SeedCodec
 from murmura.protocols.pool import seed_pool_for
 from murmura.server.checkpoint import Checkpoint, save_checkpoint
 from murmura.server.config import ServerConfig
+from murmura.server.decoding import PARTIAL_CODEC, Decoded, Decoder
 from murmura.server.errors import (
+    Aborted,
     FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
+    ServiceError,
     Unauthenticated,
 )
+from murmura.server.model import ModelRule, OptimizerRule, PoolRule
 from murmura.server.outputs import RunRecorder
 from murmura.server.policy import AsyncPolicy, Policy, SyncPolicy
 from murmura.server.pool import PoolState
+from murmura.server.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,24 @@ class Traffic:
     refused: dict[str, int] = field(default_factory=dict)
 
 
+#: Forwards a leaf's partial aggregate upstream: ``forward(aggregator, updates)`` runs on the
+#: publisher thread, takes the aggregator's partial and resets it.
+Forward = Callable[[Aggregator, int], None]
+
+
 class AggregatorCore:
-    """Validates requests and turns updates into global versions under a policy."""
+    """Validates requests and turns updates into global versions under a policy.
+
+    Taking an update in has three steps, so a transport can run the middle one elsewhere:
+    :meth:`begin_push` (checks that need only the header and the payload's length),
+    decoding (:attr:`decoder`, pure: inline, in a worker process or on Ray) and
+    :meth:`finish_push` (the state may have changed meanwhile, so staleness and the session are
+    checked again; then the policy takes the update). :meth:`push` does all three inline.
+
+    Folding and publishing run on :attr:`publisher` (inline unless the server gives it a
+    thread); a published version is installed through ``post``, which runs a function on the
+    thread that owns the core (the event loop), so the core's state is only ever changed there.
+    """
 
     def __init__(self, config: ServerConfig, spec: ModelSpec, initial: FlatVector, *,
                  evaluator: Evaluator | None = None,
@@ -94,32 +111,57 @@ class AggregatorCore:
         self.evaluator = evaluator
         self.recorder = recorder
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
-        self.optimizer = create_optimizer(config.optimizer, lr=config.server_lr)
         self.version = 0
         self.params: FlatVector = np.array(initial, dtype=np.float32, copy=True)
+        optimizer = create_optimizer(config.optimizer, lr=config.server_lr)
         if start is not None:
             if start.spec_fingerprint != self.fingerprint:
                 raise ValueError(f"checkpoint is for model spec {start.spec_fingerprint}, "
                                  f"this server's spec is {self.fingerprint}")
             spec.check_vector(start.params)
             self.version, self.params = start.version, start.params.copy()
-            self.optimizer.load_state_dict(start.optimizer_state)
-        self.pool = self._start_pool(start)
-        if self.pool is not None:
-            self.params = self.pool.model()
+            optimizer.load_state_dict(start.optimizer_state)
+        self.decoder = Decoder(spec.size, config.train)
+        pool = self._start_pool(start)
+        self._pool_state = pool
+        self.rule: ModelRule = (PoolRule(pool, lr=config.server_lr) if pool is not None
+                                else OptimizerRule(optimizer))
+        if pool is not None:
+            self.params = pool.model()
+            self._pool_scalars = pool.scalars
         #: Length of the vectors the policy aggregates: the model, or K pool coordinates.
-        self.update_size = len(self.pool) if self.pool is not None else spec.size
+        self.update_size = self.decoder.update_size
         self._history: OrderedDict[int, FlatVector] = OrderedDict({self.version: self.params})
         self.sessions: dict[str, ClientRecord] = {}
         self._session_of: dict[str, str] = {}
         self._left: OrderedDict[str, str] = OrderedDict()
         self._seen: OrderedDict[tuple[str, str], int] = OrderedDict()
-        self._codecs: dict[tuple[str, tuple[tuple[str, str], ...]], Codec] = {}
+        self._inflight: set[tuple[str, str]] = set()
         self.traffic = Traffic()
         self.done = self.version >= config.max_versions
         self.t0 = clock()
         self.last_metrics: dict[str, Any] = {}
         self._listeners: list[Callable[[], None]] = []
+        self._publish_listeners: list[Callable[[int, FlatVector], None]] = []
+        #: Runs folds and publishing in order; a server gives it a thread (see publisher.py).
+        self.publisher = Publisher(threaded=False)
+        #: Runs a function on the thread that owns the core; the server sets it to its loop's
+        #: ``call_soon_threadsafe``.
+        self.post: Callable[[Callable[[], None]], None] = _call_now
+        #: Versions handed to the publisher and not yet installed.
+        self.publishing = 0
+        #: Publishes started, and the future of the last one (a transport may await it so the
+        #: push that completed a version answers with that version).
+        self.publishes = 0
+        self.last_publish: Future[Any] | None = None
+        self._pub_params = self.params        # the publisher thread's view of the model
+        self._pub_version = self.version
+        #: Set on a leaf aggregator: publishing forwards the partial upstream instead.
+        self.forward: Forward | None = None
+        #: False while a leaf waits for its parent's first model: clients are told to wait.
+        self.ready = True
+        #: Extra figures for the metrics row (the serverless tier's workers and queue).
+        self.row_extras: Callable[[], dict[str, Any]] | None = None
         self.policy: Policy = SyncPolicy(self) if config.mode == "sync" else AsyncPolicy(self)
 
     def _start_pool(self, start: Checkpoint | None) -> PoolState | None:
@@ -143,6 +185,10 @@ class AggregatorCore:
     def add_listener(self, fn: Callable[[], None]) -> None:
         """``fn()`` runs after every state change a waiting client may care about."""
         self._listeners.append(fn)
+
+    def add_publish_listener(self, fn: Callable[[int, FlatVector], None]) -> None:
+        """``fn(version, params)`` runs on the owner's thread when a version is installed."""
+        self._publish_listeners.append(fn)
 
     def _changed(self) -> None:
         for fn in self._listeners:
@@ -170,6 +216,17 @@ class AggregatorCore:
 
     def _refuse(self, status: str) -> None:
         self.traffic.refused[status] = self.traffic.refused.get(status, 0) + 1
+
+    @property
+    def finished(self) -> bool:
+        """No more updates are taken: the run is over, or its last version is being made."""
+        return self.done or (self.forward is None
+                             and self.version + self.publishing >= self.config.max_versions)
+
+    @property
+    def takes_partials(self) -> bool:
+        """Whether a leaf's partial aggregate can enter this aggregator's rule."""
+        return bool(getattr(self.policy.aggregator, "decomposable", False))
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -214,23 +271,28 @@ class AggregatorCore:
         ``apply_pool``, give the current global model exactly."""
         self._record(session)
         pool = self._require_pool()
-        return self.version, pool.base_version, pool.scalars
+        return self.version, pool.base_version, self._pool_scalars
 
     def _require_pool(self) -> PoolState:
-        if self.pool is None:
+        if self._pool_state is None:
             raise FailedPrecondition("this run has no seed pool (it needs trainer 'zo', codec "
                                      "'seed' and codec option pool=K); pull the model instead")
-        return self.pool
+        return self._pool_state
 
     def push(self, header: UpdateHeader, payload: bytes | bytearray | memoryview, *,
              wire_bytes: int = 0) -> PushResult:
-        """Validate, decode and hand one update to the policy; refuse with a ServiceError."""
-        self.traffic.bytes_up += wire_bytes  # refused updates crossed the wire too
+        """Validate, decode (inline) and hand one update to the policy; refuse with a
+        ServiceError."""
+        rec, duplicate = self.begin_push(header, len(payload), wire_bytes=wire_bytes)
+        if duplicate is not None:
+            return duplicate
         try:
-            return self._push(header, payload)
-        except (InvalidArgument, FailedPrecondition, ResourceExhausted, Unauthenticated) as exc:
-            self._refuse(exc.status)
+            decoded = self.decoder.decode(header.codec, payload,
+                                          reference=self.reference_for(header))
+        except BaseException as exc:
+            self.abort_push(header, exc)
             raise
+        return self.finish_push(header, decoded)
 
     def precheck(self, header: UpdateHeader) -> ClientRecord:
         """Checks that need only the header, so a transport can refuse before the payload.
@@ -239,7 +301,7 @@ class AggregatorCore:
         """
         try:
             return self._precheck(header)
-        except (InvalidArgument, FailedPrecondition, ResourceExhausted, Unauthenticated) as exc:
+        except ServiceError as exc:
             self._refuse(exc.status)
             raise
 
@@ -263,95 +325,95 @@ class AggregatorCore:
                                   f"(global version is {self.version})")
         if header.base_version < 0:
             raise InvalidArgument(f"base version must be >= 0, got {header.base_version}")
+        if header.codec == PARTIAL_CODEC and not self.takes_partials:
+            raise FailedPrecondition(
+                f"this aggregator's rule {self.config.defense!r} needs every update, so a "
+                f"leaf's partial aggregate cannot enter it; use a decomposable rule (fedavg) "
+                f"or connect the clients directly")
         if (rec.client_id, header.update_id) not in self._seen:
             self.policy.check_staleness(self.version - header.base_version)
         return rec
 
-    def _push(self, header: UpdateHeader, payload: bytes | bytearray | memoryview) -> PushResult:
-        key = (self._record(header.session).client_id, header.update_id)
-        if key in self._seen:
-            return PushResult(duplicate=True, version=self.version, staleness=self._seen[key])
-        rec = self._precheck(header)
-        if self.done:
-            raise FailedPrecondition(f"the run finished at version {self.version}; "
-                                     f"no more updates are taken")
-        if header.payload_bytes != len(payload):
-            raise InvalidArgument(f"header announces {header.payload_bytes} payload bytes, "
-                                  f"{len(payload)} arrived")
-        staleness = self.version - header.base_version
-        update = self._decode(header, payload)
-        self.traffic.updates += 1  # counted before the policy may publish a version with it
+    def begin_push(self, header: UpdateHeader, payload_bytes: int, *, wire_bytes: int = 0
+                   ) -> tuple[ClientRecord, PushResult | None]:
+        """Everything checkable before decoding. Returns the client's record and, for a retried
+        update that was already counted, the answer to give (the payload need not be decoded).
+
+        Unless it refuses or answers a duplicate, the caller must end the push with
+        :meth:`finish_push` or :meth:`abort_push`.
+        """
+        self.traffic.bytes_up += wire_bytes  # refused updates crossed the wire too
         try:
-            self.policy.accept(rec, header, update, staleness)
-        except BaseException:
-            self.traffic.updates -= 1
+            rec = self._record(header.session)
+            key = (rec.client_id, header.update_id)
+            if key in self._seen:
+                return rec, PushResult(duplicate=True, version=self.version,
+                                       staleness=self._seen[key])
+            if key in self._inflight:
+                raise Aborted(f"update {header.update_id!r} is already being taken in; retry "
+                              f"to learn its outcome")
+            rec = self._precheck(header)
+            if self.finished:
+                raise FailedPrecondition(f"the run finished at version {self.version}; "
+                                         f"no more updates are taken")
+            if header.payload_bytes != payload_bytes:
+                raise InvalidArgument(f"header announces {header.payload_bytes} payload bytes, "
+                                      f"{payload_bytes} arrived")
+        except ServiceError as exc:
+            self._refuse(exc.status)
             raise
+        self._inflight.add(key)
+        return rec, None
+
+    def reference_for(self, header: UpdateHeader) -> FlatVector | None:
+        """The version a reference-needing codec (seed replay) decodes against, if kept."""
+        if not self.decoder.needs_reference(header.codec):
+            return None
+        return self._history.get(header.base_version)
+
+    def abort_push(self, header: UpdateHeader, exc: BaseException) -> None:
+        """Decoding failed: count the refusal and forget the update (a retry may come)."""
+        self._inflight.discard(self._key(header))
+        if isinstance(exc, ServiceError):
+            self._refuse(exc.status)
+
+    def _key(self, header: UpdateHeader) -> tuple[str, str]:
+        rec = self.sessions.get(header.session)
+        return (rec.client_id if rec else "", header.update_id)
+
+    def finish_push(self, header: UpdateHeader, decoded: Decoded, *,
+                    release: Callable[[], None] | None = None) -> PushResult:
+        """Hand a decoded update to the policy. ``release`` is called once nothing needs the
+        decoded values any more (after the fold), also when the update is refused."""
+        key = self._key(header)
+        self._inflight.discard(key)
+        taken = False
+        try:
+            rec = self._record(header.session)  # the client may have left meanwhile
+            if self.finished:
+                raise FailedPrecondition(f"the run finished at version {self.version}; "
+                                         f"no more updates are taken")
+            staleness = self.version - header.base_version  # versions may have been published
+            self.policy.check_staleness(staleness)
+            self.traffic.updates += 1  # counted before the policy may publish a version with it
+            try:
+                self.policy.accept(rec, header, decoded, staleness, release)
+                taken = True
+            except BaseException:
+                self.traffic.updates -= 1
+                raise
+        except ServiceError as exc:
+            self._refuse(exc.status)
+            raise
+        finally:
+            if not taken and release is not None:
+                release()
         self._seen[key] = staleness
         if len(self._seen) > SEEN_UPDATES:
             self._seen.popitem(last=False)
         rec.updates += 1
         self._changed()
         return PushResult(duplicate=False, version=self.version, staleness=staleness)
-
-    def _decode(self, header: UpdateHeader, payload: bytes | bytearray | memoryview) -> FlatVector:
-        codec = self._codec(header)
-        if self.pool is not None:
-            return self._decode_pool(codec, payload)
-        reference = None
-        if codec.needs_reference:
-            reference = self._history.get(header.base_version)
-            if reference is None:
-                raise FailedPrecondition(f"codec {header.codec!r} needs version "
-                                         f"{header.base_version} to decode, which is no longer "
-                                         f"kept; train on the current version")
-        try:
-            update = codec.decode(payload, self.spec.size, reference=reference)
-        except CodecError as exc:
-            raise InvalidArgument(f"payload does not decode: {exc}") from exc
-        if update.shape != (self.spec.size,):
-            raise InvalidArgument(f"update has {update.size} values; the model has "
-                                  f"{self.spec.size}")
-        # NaN and Inf propagate through a sum, so a finite sum proves every value finite in one
-        # pass without a mask; only a non-finite sum (or an overflow) needs the exact check.
-        with np.errstate(over="ignore", invalid="ignore"):
-            total = np.add.reduce(update, dtype=np.float32)
-        if not np.isfinite(total):
-            finite = np.isfinite(update)
-            if not finite.all():
-                bad = int(np.flatnonzero(~finite)[0])
-                raise InvalidArgument(f"update contains NaN or Inf (first at index {bad})")
-        return update
-
-    def _decode_pool(self, codec: Codec, payload: bytes | bytearray | memoryview) -> FlatVector:
-        """A pool run's update: the K coefficients its steps applied along the pool seeds."""
-        assert self.pool is not None
-        if not isinstance(codec, SeedCodec) or not codec.pool_size:
-            raise InvalidArgument(f"this run aggregates seed-pool updates (codec 'seed' with "
-                                  f"pool={len(self.pool)}); codec {codec.name!r} without the "
-                                  f"pool cannot be taken")
-        try:
-            update = self.pool.contribution(codec.unpack(payload))
-        except CodecError as exc:
-            raise InvalidArgument(f"payload does not decode: {exc}") from exc
-        if not np.isfinite(update).all():
-            raise InvalidArgument("the update's pool coefficients overflow float32")
-        return update
-
-    def _codec(self, header: UpdateHeader) -> Codec:
-        # A client may pick its own codec; options are the server's settings for that codec.
-        options = self.config.train.codec_options if header.codec == self.config.train.codec \
-            else {}
-        key = (header.codec, tuple(sorted(options.items())))
-        codec = self._codecs.get(key)
-        if codec is None:
-            try:
-                codec = create_codec(header.codec, options)
-            except UnknownCodecError as exc:
-                raise InvalidArgument(str(exc)) from exc
-            except CodecError as exc:
-                raise InvalidArgument(f"codec {header.codec!r} is misconfigured: {exc}") from exc
-            self._codecs[key] = codec
-        return codec
 
     def leave(self, session: str) -> None:
         rec = self._record(session)
@@ -377,24 +439,31 @@ class AggregatorCore:
         self.done = True
         self._changed()
 
-    # -- publishing ---------------------------------------------------------------------------
+    # -- folding and publishing ---------------------------------------------------------------
 
-    def apply(self, delta: FlatVector, *, updates: int, round_id: int = 0) -> None:
-        """Make ``delta`` (the aggregate update) the next global version."""
-        if self.pool is not None:  # pool coordinates; the config allows only plain fedavg
+    def fold(self, job: Callable[[], None], release: Callable[[], None] | None = None) -> None:
+        """Run ``job`` (an accumulator update) on the publisher, after the jobs before it."""
+        def run() -> None:
             try:
-                self.params = self.pool.advance(delta, lr=self.config.server_lr)
-            except ValueError as exc:
-                log.error("aggregate dropped, the global model is unchanged: %s", exc)
-                return
-        else:
-            self.params = self.optimizer.step(self.params, delta)
-        self.version += 1
-        self._history[self.version] = self.params
-        while len(self._history) > REFERENCE_VERSIONS:
-            self._history.popitem(last=False)
+                job()
+            finally:
+                if release is not None:
+                    release()
+        self.publisher.submit(run).add_done_callback(_log_fold_error)
+
+    def publish(self, aggregator: Aggregator, *, updates: int, round_id: int = 0) -> None:
+        """Make what ``aggregator`` holds the next global version (a leaf: send it upstream).
+
+        Called by the policy on the owner's thread. The aggregate, the optimizer step,
+        evaluation, the metrics row and the checkpoint run on the publisher after every fold
+        submitted before; the new version is installed on the owner's thread when they are done.
+        """
+        self.publishing += 1
+        if self.forward is not None:
+            forward = self.forward
+            self.publisher.submit(lambda: forward(aggregator, updates))
+            return
         row: dict[str, Any] = {
-            "version": self.version,
             "round": round_id,
             "time_s": round(self.clock() - self.t0, 6),
             "updates": self.traffic.updates,
@@ -403,30 +472,92 @@ class AggregatorCore:
             "bytes_down": self.traffic.bytes_down,
             "clients": len(self.sessions),
         }
+        if self.row_extras is not None:
+            row.update(self.row_extras())
+        fut = self.publisher.submit(lambda: self._make_version(aggregator, row))
+        fut.add_done_callback(lambda f: self.post(lambda: self._install(f)))
+        self.publishes += 1
+        self.last_publish = fut
+
+    def _make_version(self, aggregator: Aggregator, row: dict[str, Any]
+                      ) -> tuple[FlatVector, dict[str, Any], Any]:
+        """On the publisher thread: aggregate, step, evaluate, record, checkpoint."""
+        t0 = time.perf_counter()
+        try:
+            delta = aggregator.result()
+        finally:
+            aggregator.reset()
+        params = self.rule.advance(self._pub_params, delta)  # ValueError: dropped
+        t1 = time.perf_counter()
+        self._pub_params = params
+        self._pub_version += 1
+        row = {"version": self._pub_version, **row, "aggregate_s": round(t1 - t0, 6)}
         if self.evaluator is not None:
-            row.update(self.evaluator(self.params))
-        self.last_metrics = row
+            row.update(self.evaluator(params))
         if self.recorder is not None:
             self.recorder.record(row)
         if self.checkpoint_path is not None:
+            optimizer_state, meta, extra = self.rule.checkpoint_state()
             save_checkpoint(self.checkpoint_path, Checkpoint(
-                version=self.version, params=self.params, spec_fingerprint=self.fingerprint,
-                optimizer_state=self.optimizer.state_dict(),
-                meta={"mode": self.config.mode, "updates": self.traffic.updates,
-                      **({"pool": {"k": len(self.pool), "base_seed": self.pool.pool.base_seed}}
-                         if self.pool is not None else {})},
-                extra=self.pool.arrays() if self.pool is not None else {}))
-        if self.version >= self.config.max_versions:
+                version=self._pub_version, params=params, spec_fingerprint=self.fingerprint,
+                optimizer_state=optimizer_state,
+                meta={"mode": self.config.mode, "updates": row["updates"], **meta}, extra=extra))
+        row["publish_s"] = round(time.perf_counter() - t0, 6)
+        scalars = self._pool_state.scalars if self._pool_state is not None else None
+        return params, row, scalars
+
+    def _install(self, fut: Any) -> None:
+        """On the owner's thread: the publisher's new version becomes the global one."""
+        self.publishing -= 1
+        try:
+            params, row, scalars = fut.result()
+        except Exception as exc:
+            log.error("aggregate dropped, the global model is unchanged: %s", exc,
+                      exc_info=not isinstance(exc, ValueError))
+            self._changed()
+            return
+        self.install(row["version"], params, row=row, pool_scalars=scalars)
+
+    def install(self, version: int, params: FlatVector, *, row: dict[str, Any] | None = None,
+                pool_scalars: FlatVector | None = None) -> None:
+        """Make ``params`` global version ``version`` (a leaf: the version its parent sent)."""
+        self.version = version
+        self.params = params
+        self.ready = True
+        if self.forward is not None:
+            self.publishing = 0
+            self._pub_params, self._pub_version = params, version
+        if pool_scalars is not None:
+            self._pool_scalars = pool_scalars
+        self._history[version] = params
+        while len(self._history) > REFERENCE_VERSIONS:
+            self._history.popitem(last=False)
+        if row is not None:
+            self.last_metrics = row
+            log.info("version %d: %s", version,
+                     ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in row.items() if k != "version"))
+        if self.forward is None and self.version >= self.config.max_versions:
             self.done = True
-        log.info("version %d: %s", self.version,
-                 ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in row.items() if k != "version"))
+        for fn in self._publish_listeners:
+            fn(version, params)
         self._changed()
 
     def status(self) -> dict[str, Any]:
         return {"version": self.version, "clients": len(self.sessions), "done": self.done,
                 "buffered": self.policy.buffered(), "updates": self.traffic.updates,
-                "refused": dict(self.traffic.refused)}
+                "publishing": self.publishing, "refused": dict(self.traffic.refused)}
+
+
+def _call_now(fn: Callable[[], None]) -> None:
+    fn()
+
+
+def _log_fold_error(fut: Any) -> None:
+    # Decoded updates are checked before they are folded, so this is a bug, not bad input.
+    exc = fut.exception()
+    if exc is not None:
+        log.error("folding an update failed; it is not in the aggregate", exc_info=exc)
 
 
 def evaluator_for(model_factory: Callable[[], Any], spec: ModelSpec, data: Any) -> Evaluator:

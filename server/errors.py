@@ -13,9 +13,19 @@ class ServiceError(Exception):
 
     status = "INTERNAL"
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
+        #: Set on refusals that go away by themselves (back-pressure): when to try again.
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple:  # cross process boundaries (worker processes) intact
+        return (_rebuild, (type(self), self.message, self.retry_after_s))
+
+
+def _rebuild(cls: type[ServiceError], message: str, retry_after_s: float | None
+             ) -> ServiceError:
+    return cls(message, retry_after_s=retry_after_s)
 
 
 class InvalidArgument(ServiceError):
@@ -36,6 +46,12 @@ class FailedPrecondition(ServiceError):
 
 class ResourceExhausted(ServiceError):
     status = "RESOURCE_EXHAUSTED"
+
+
+class Aborted(ServiceError):
+    """A conflicting operation is under way (the same update being taken in); retry."""
+
+    status = "ABORTED"
 
 
 class Unavailable(ServiceError):

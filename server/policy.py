@@ -9,23 +9,27 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from murmura.aggregation import (
     AggregationError,
+    Aggregator,
     FedBuff,
-    FlatVector,
     StaleUpdateError,
     create_aggregator,
     staleness_function,
 )
 from murmura.protocols import Action, Task, UpdateHeader
+from murmura.server.decoding import Decoded
 from murmura.server.errors import FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:
     from murmura.server.core import AggregatorCore, ClientRecord
+
+Release = Callable[[], None] | None
 
 
 def _staleness_fn(core: AggregatorCore):  # noqa: ANN202
@@ -34,7 +38,30 @@ def _staleness_fn(core: AggregatorCore):  # noqa: ANN202
     return staleness_function(cfg.staleness, **params)
 
 
+def make_aggregator(core: AggregatorCore) -> Aggregator:
+    """The configured rule for vectors of the core's update size."""
+    cfg = core.config
+    options = cfg.defense_kwargs()
+    if cfg.accumulator == "exact":
+        options["exact"] = True  # config validation allows it only for decomposable rules
+    return create_aggregator(cfg.defense, core.update_size, **options)
+
+
+def fold_into(agg: Aggregator, decoded: Decoded, weight: float, *, factor: float = 1.0,
+              client_id: str = "") -> None:
+    """Add one decoded push to ``agg``: an update with its weight, or a leaf's partial
+    aggregate (which carries its own weight) merged as a whole."""
+    if decoded.is_partial:
+        agg.merge(decoded.as_partial(), factor=factor)  # type: ignore[attr-defined]
+    else:
+        assert decoded.values is not None
+        agg.add(decoded.values, weight, factor=factor, client_id=client_id)
+
+
 class Policy(ABC):
+    #: The rule the policy folds into; the core asks it whether partials can enter.
+    aggregator: Aggregator
+
     def __init__(self, core: AggregatorCore) -> None:
         self.core = core
         self.staleness = _staleness_fn(core)
@@ -51,9 +78,12 @@ class Policy(ABC):
                 f"the limit is {limit}: pull the model and train again")
 
     @abstractmethod
-    def accept(self, rec: ClientRecord, header: UpdateHeader, update: FlatVector,
-               staleness: int) -> None:
-        """Take a validated update in; raise a ServiceError (changing nothing) to refuse."""
+    def accept(self, rec: ClientRecord, header: UpdateHeader, update: Decoded,
+               staleness: int, release: Release = None) -> None:
+        """Take a decoded update in; raise a ServiceError (changing nothing) to refuse.
+
+        Once taken, ``release`` (if any) must be called after the update has been folded.
+        """
 
     def on_leave(self, rec: ClientRecord) -> None:  # noqa: B027 - optional hook
         """A client left or was dropped."""
@@ -79,19 +109,22 @@ class SyncPolicy(Policy):
     def __init__(self, core: AggregatorCore) -> None:
         super().__init__(core)
         cfg = core.config
-        self.agg = create_aggregator(cfg.defense, core.update_size, **cfg.defense_kwargs())
+        self.agg = self.aggregator = make_aggregator(core)
+        self._folded = 0                                # updates handed to the publisher
         self.round = 0
         self.open = False
         self.cohort: list[str] = []
         self._members: frozenset[str] = frozenset()  # the cohort, for O(1) membership
         self.submitted: set[str] = set()
         self.dropped: set[str] = set()
-        self._pending: dict[str, tuple[FlatVector, float]] = {}
+        self._pending: dict[str, tuple[Decoded, float, Release]] = {}
         self._next = 0
         self.deadline = math.inf
 
     def _maybe_open(self) -> None:
         cfg = self.core.config
+        if self.core.publishing:  # the last round's version is not out yet
+            return
         ids = sorted(self.core.active_client_ids())
         if len(ids) < cfg.min_clients:
             return
@@ -110,7 +143,7 @@ class SyncPolicy(Policy):
     def task_for(self, rec: ClientRecord) -> Task:
         if self.core.done:
             return Task(Action.STOP, version=self.core.version)
-        if not self.open:
+        if not self.open and self.core.ready:
             self._maybe_open()
         cid = rec.client_id
         if self.open and cid in self._members and cid not in self.submitted:
@@ -119,8 +152,8 @@ class SyncPolicy(Policy):
                         seed=self.core.derive_seed("round", self.round, cid))
         return Task(Action.WAIT, version=self.core.version, round=self.round, retry_after_s=0.5)
 
-    def accept(self, rec: ClientRecord, header: UpdateHeader, update: FlatVector,
-               staleness: int) -> None:
+    def accept(self, rec: ClientRecord, header: UpdateHeader, update: Decoded,
+               staleness: int, release: Release = None) -> None:
         cid = rec.client_id
         current = self.open and header.round == self.round and staleness == 0
         if current and cid not in self._members:
@@ -132,24 +165,28 @@ class SyncPolicy(Policy):
             raise InvalidArgument(f"round {header.round} has not started (current round is "
                                   f"{self.round})")
         weight = float(header.num_examples)
-        try:
-            if current:
-                self.dropped.discard(cid)  # a re-joined member retrying its push
-                self.submitted.add(cid)
-                self._pending[cid] = (update, weight)
-                self._fold_in_order()
-            else:  # late: a closed or abandoned round, or an older version
-                self.agg.add(update, weight, factor=self.staleness(staleness), client_id=cid)
-        except AggregationError as exc:
-            raise InvalidArgument(str(exc)) from exc
+        if current:
+            self.dropped.discard(cid)  # a re-joined member retrying its push
+            self.submitted.add(cid)
+            self._pending[cid] = (update, weight, release)
+            self._fold_in_order()
+        else:  # late: a closed or abandoned round, or an older version
+            self._fold(update, weight, self.staleness(staleness), cid, release)
         self._maybe_close()
+
+    def _fold(self, update: Decoded, weight: float, factor: float, cid: str,
+              release: Release) -> None:
+        agg = self.agg
+        self._folded += update.count
+        self.core.fold(lambda: fold_into(agg, update, weight, factor=factor, client_id=cid),
+                       release)
 
     def _fold_in_order(self, *, flush: bool = False) -> None:
         while self._next < len(self.cohort):
             cid = self.cohort[self._next]
             if cid in self._pending:
-                update, weight = self._pending.pop(cid)
-                self.agg.add(update, weight, client_id=cid)
+                update, weight, release = self._pending.pop(cid)
+                self._fold(update, weight, 1.0, cid, release)
             elif not (flush or cid in self.dropped):
                 return
             self._next += 1
@@ -163,13 +200,11 @@ class SyncPolicy(Policy):
             return
         self._fold_in_order(flush=True)
         self.open = False
-        if self.agg.count == 0:
+        if self._folded == 0:
             self.core.log_event("round_abandoned", round=self.round)
             return
-        delta = self.agg.result()
-        count = self.agg.count
-        self.agg.reset()
-        self.core.apply(delta, updates=count, round_id=self.round)
+        count, self._folded = self._folded, 0
+        self.core.publish(self.agg, updates=count, round_id=self.round)
 
     def on_leave(self, rec: ClientRecord) -> None:
         if self.open and rec.client_id in self._members and rec.client_id not in self.submitted:
@@ -182,7 +217,7 @@ class SyncPolicy(Policy):
             self._maybe_close(deadline=True)
 
     def buffered(self) -> int:
-        return self.agg.count + len(self._pending)
+        return self._folded + len(self._pending)
 
 
 class AsyncPolicy(Policy):
@@ -194,29 +229,36 @@ class AsyncPolicy(Policy):
         cfg = core.config
         self.buffer = FedBuff(core.update_size, buffer_size=cfg.buffer_size,
                               max_staleness=cfg.max_staleness, staleness=self.staleness,
-                              aggregator=lambda size: create_aggregator(
-                                  cfg.defense, size, **cfg.defense_kwargs()))
+                              aggregator=lambda size: make_aggregator(core))
+        self.aggregator = self.buffer.aggregator
+        self._count = 0  # updates handed to the publisher since the last version
         self._tasks = 0
 
     def task_for(self, rec: ClientRecord) -> Task:
         if self.core.done:
             return Task(Action.STOP, version=self.core.version)
+        if not self.core.ready:
+            return Task(Action.WAIT, version=self.core.version, retry_after_s=0.5)
         self._tasks += 1
         return Task(Action.TRAIN, version=self.core.version,
                     seed=self.core.derive_seed("task", self._tasks, rec.client_id))
 
-    def accept(self, rec: ClientRecord, header: UpdateHeader, update: FlatVector,
-               staleness: int) -> None:
+    def accept(self, rec: ClientRecord, header: UpdateHeader, update: Decoded,
+               staleness: int, release: Release = None) -> None:
         try:
-            full = self.buffer.add(update, float(header.num_examples), staleness,
-                                   client_id=rec.client_id)
+            self.buffer.check(staleness)
         except StaleUpdateError as exc:
             raise FailedPrecondition(str(exc)) from exc
         except AggregationError as exc:
             raise InvalidArgument(str(exc)) from exc
-        if full:
-            count = self.buffer.count
-            self.core.apply(self.buffer.flush(), updates=count)
+        agg, weight = self.aggregator, float(header.num_examples)
+        factor, cid = self.staleness(staleness), rec.client_id
+        self._count += update.count
+        self.core.fold(lambda: fold_into(agg, update, weight, factor=factor, client_id=cid),
+                       release)
+        if self._count >= self.buffer.buffer_size:
+            count, self._count = self._count, 0
+            self.core.publish(agg, updates=count)
 
     def buffered(self) -> int:
-        return self.buffer.count
+        return self._count

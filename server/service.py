@@ -6,6 +6,7 @@ Domain errors become gRPC statuses here and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -15,26 +16,35 @@ from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols import murmura_pb2_grpc as pb_grpc
 from murmura.protocols import serde
 from murmura.protocols.pool import POOL_SCALARS_CODEC
-from murmura.server.buffers import DEFAULT_MAX_FREE, BufferPool, ReceiveBuffer
+from murmura.server.buffers import ReceiveBuffer
 from murmura.server.core import AggregatorCore
 from murmura.server.errors import InvalidArgument, ServiceError
+from murmura.server.slabs import Slab
+from murmura.server.tier import Tier
 
 log = logging.getLogger(__name__)
 
 #: gRPC message limit: one chunk plus headroom; anything larger is refused by gRPC itself.
 MAX_MESSAGE_BYTES = 4 * serde.CHUNK_BYTES
 MAX_WAIT_S = 30.0
+#: Trailing metadata of a back-pressure refusal: milliseconds to wait before retrying (the
+#: client's GrpcTransport reads the same key).
+RETRY_AFTER_KEY = "murmura-retry-after-ms"
 
 
 class AggregatorServicer(pb_grpc.AggregatorServicer):
-    def __init__(self, core: AggregatorCore, *, chunk_bytes: int = serde.CHUNK_BYTES,
-                 receive_buffers: int = DEFAULT_MAX_FREE) -> None:
+    def __init__(self, core: AggregatorCore, *, tier: Tier | None = None,
+                 chunk_bytes: int = serde.CHUNK_BYTES) -> None:
         self.core = core
         self.chunk_bytes = chunk_bytes
-        #: Idle payload buffers kept between pushes (``receive_buffers`` at most); see buffers.py.
-        self.buffers = BufferPool(receive_buffers)
+        #: Where payloads land and who decodes them (in-process unless a tier is given).
+        self.tier = tier or Tier(dataclasses.replace(core.config, workers=0), core.decoder)
         self._event: asyncio.Event | None = None
         core.add_listener(self._notify)
+
+    @property
+    def buffers(self):  # noqa: ANN201 - the in-process receive buffers (tests inspect them)
+        return self.tier.buffers
 
     def _notify(self) -> None:
         if self._event is not None:
@@ -48,6 +58,9 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
+        if exc.retry_after_s is not None:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY,
+                                            str(int(1000 * exc.retry_after_s))),))
         await context.abort(grpc.StatusCode[exc.status], exc.message)
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
@@ -104,9 +117,13 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     async def Push(self, request_iterator: AsyncIterator[pb.UpdateChunk | memoryview],
                    context: grpc.aio.ServicerContext) -> pb.PushReply:
+        """Header checks, the payload straight into its buffer, decoding by an aggregation
+        function (a worker process unless ``workers = 0``), then the policy; the event loop
+        itself only moves bytes."""
         header = None
-        lease: ReceiveBuffer | None = None
+        lease: ReceiveBuffer | Slab | None = None
         received = wire = 0
+        tier, core = self.tier, self.core
         try:
             async for item in request_iterator:
                 # Payload chunks arrive as zero-copy views (serde.deserialize_update_item).
@@ -116,10 +133,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                         raise InvalidArgument("the first chunk of a push must be its header")
                     wire += item.ByteSize()
                     header = serde.update_header_from_proto(item.header)
-                    self.core.precheck(header)  # refuse before receiving a payload
-                    # Copy each chunk in as it arrives, overlapping the transfer, into a reused
-                    # buffer whose pages are already mapped (a fresh one faults on every page).
-                    lease = self.buffers.acquire(header.payload_bytes)
+                    core.precheck(header)  # refuse before receiving a payload
+                    # Copy each chunk in as it arrives, overlapping the transfer, into a buffer
+                    # whose pages are already mapped (a fresh one faults on every page).
+                    lease = tier.receive(header.payload_bytes)
                 elif kind == "data":
                     data = item if isinstance(item, memoryview) else memoryview(item.data)
                     end = received + len(data)
@@ -128,7 +145,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                         raise InvalidArgument(f"more payload than the {header.payload_bytes} "
                                               f"bytes the header announced")
                     assert lease is not None
-                    lease.write(received, data)
+                    tier.write(lease, received, data)
                     received = end
                 else:
                     raise InvalidArgument("a push carries exactly one header chunk")
@@ -138,15 +155,33 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 raise InvalidArgument(f"header announced {header.payload_bytes} payload bytes, "
                                       f"the stream carried {received}")
             assert lease is not None
-            # No local keeps the view: once core.push returns, only what the core or the policy
-            # kept of it can hold the buffer, and then release() leaves the buffer to them.
-            result = self.core.push(header, lease.view, wire_bytes=wire)
+            _, duplicate = core.begin_push(header, received, wire_bytes=wire)
+            if duplicate is not None:
+                return serde.push_result_to_proto(duplicate)
+            taken, lease = lease, None  # the tier owns it now, also when decoding fails
+            try:
+                decoded, release = await tier.decode(header, taken, core.reference_for(header),
+                                                     header.base_version)
+            except BaseException as exc:
+                core.abort_push(header, exc)
+                raise
+            publishes = core.publishes
+            result = core.finish_push(header, decoded, release=release)
+            if core.publishes != publishes and core.last_publish is not None:
+                # This update completed a version: answer once it is out (the loop stays free
+                # meanwhile), so the reply names the version that includes it.
+                try:
+                    await asyncio.wrap_future(core.last_publish)
+                except Exception:  # noqa: BLE001 - logged by the core; the update was taken
+                    pass
+                await asyncio.sleep(0)  # let the install scheduled before us run
+                result = dataclasses.replace(result, version=core.version)
         except ServiceError as exc:
             log.info("push refused: %s %s", exc.status, exc.message)
             await self._abort(context, exc)
         finally:
             if lease is not None:
-                self.buffers.release(lease)
+                tier.discard(lease)
         return serde.push_result_to_proto(result)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext

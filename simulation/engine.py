@@ -56,10 +56,9 @@ from murmura.protocols import (
 )
 from murmura.server import (
     AggregatorCore,
-    RunRecorder,
     ServerConfig,
     ServiceError,
-    evaluator_for,
+    build_core,
 )
 from murmura.simulation.clock import EventQueue, VirtualClock
 from murmura.simulation.config import SimulationConfig
@@ -206,24 +205,13 @@ class Simulation:
     # -- construction --------------------------------------------------------------------
 
     def _build_core(self, evaluate: bool) -> AggregatorCore:
-        # As murmura.server.build_core, with the virtual clock.
-        server, task = self.server_config, self.data.task
-        model = task.build_model(seed=server.seed)
-        spec = ModelSpec.from_module(model)
-        recorder = checkpoint = None
-        if self.out_dir is not None:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            metrics = self.out_dir / "metrics.jsonl"
-            if metrics.exists():
-                metrics.unlink()  # a new run starts a new metrics file, as murmura run does
-            recorder = RunRecorder(self.out_dir, config={
-                "server": dataclasses.asdict(server), "task": dataclasses.asdict(self.task_config),
-                "simulation": dataclasses.asdict(self.sim), "data": self.data.source})
-            if self.sim.checkpoint:
-                checkpoint = self.out_dir / CHECKPOINT_NAME
-        evaluator = evaluator_for(task.model_factory, spec, task.test) if evaluate else None
-        return AggregatorCore(server, spec, spec.flatten(model), evaluator=evaluator,
-                              clock=self.clock, recorder=recorder, checkpoint_path=checkpoint)
+        # The deployment's own assembly, with the virtual clock; decoding and publishing run
+        # inline, so virtual time alone orders events.
+        return build_core(self.server_config, self.task_config, out_dir=self.out_dir,
+                          evaluate=evaluate, task=self.data.task, clock=self.clock,
+                          checkpoint=self.sim.checkpoint, fresh_metrics=True,
+                          extra_config={"simulation": dataclasses.asdict(self.sim),
+                                        "data": self.data.source})
 
     def _devices(self) -> DevicePopulation:
         s = self.sim

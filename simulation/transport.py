@@ -64,7 +64,8 @@ class LocalAggregator:
             try:
                 return fn()
             except ServiceError as exc:
-                raise RemoteError(exc.status, exc.message) from None
+                raise RemoteError(exc.status, exc.message,
+                                  retry_after_s=exc.retry_after_s) from None
 
     def wait_for_task(self, session: str, wait_s: float) -> Task:
         deadline = time.monotonic() + min(max(wait_s, 0.0), MAX_WAIT_S)
@@ -74,7 +75,8 @@ class LocalAggregator:
                     self.core.tick()
                     task = self.core.task(session)
                 except ServiceError as exc:
-                    raise RemoteError(exc.status, exc.message) from None
+                    raise RemoteError(exc.status, exc.message,
+                                      retry_after_s=exc.retry_after_s) from None
                 remaining = deadline - time.monotonic()
                 if task.action != task.action.WAIT or remaining <= 0:
                     return task

@@ -17,7 +17,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "tasks": set(),
     "client": {"protocols", "aggregation", "tasks", "edge"},
     "edge": {"protocols"},
-    "server": {"protocols", "aggregation", "tasks"},
+    # server/leaf.py: a leaf aggregator's upstream link is a ClientRuntime
+    "server": {"protocols", "aggregation", "tasks", "client"},
     "simulation": {"protocols", "aggregation", "tasks", "client", "server", "edge"},
     "cli": {"protocols", "aggregation", "tasks", "client", "server", "edge", "simulation"},
 }

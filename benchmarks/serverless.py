@@ -1,0 +1,481 @@
+"""The serverless aggregation tier against the in-process path, on the same load.
+
+One aggregator runs in its own process (as ``murmura server`` does) so its CPU time can be
+read from /proc, with decoding either in-process (``workers=0``, the peer) or in 2 worker
+processes (``workers=-1, max_workers=2``, the tier). In the benchmark's process, 4 pusher
+threads send pre-encoded updates as fast as the server takes them, and a probe *process* times
+a Join and a GetTask every 20 ms while they do.
+
+Loads (decode-heavy, as the issue sets them):
+
+* ``int8`` and ``topk`` (1 %) updates of a 10M-value model;
+* ``seed`` updates (300 zeroth-order steps each) of a 1M-value model, replayed by the server.
+
+The server runs in async mode with a buffer larger than the load, so what is measured is taking
+updates in (receive, decode, check, fold), not publishing. Then:
+
+* **idle** — after the load, the CPU seconds the server (and its workers) use in 30 s with no
+  client, and how many workers are left;
+* **cold start / warm dispatch** — from the worker pool's own statistics;
+* **hierarchy** — 4 clients under 2 leaves under a middle aggregator under the top, against the
+  same 4 clients on one flat aggregator, exact sums on every level: the final models must be
+  identical; time per version is reported;
+* **Ray** — the int8 load through ``backend=ray`` on a local Ray (reported, not a target).
+
+Run: ``python benchmarks/serverless.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._report import Column, Report, parse_args, progress, pyplot  # noqa: E402
+
+PUSHERS = 4
+LOADS = {  # name -> (model size, codec, codec options)
+    "int8": (10_000_000, "int8", {}),
+    "topk": (10_000_000, "topk", {"ratio": "0.01"}),
+    "seed": (1_000_000, "seed", {}),
+}
+SEED_STEPS = 300
+TARGETS = {"int8": 1.3, "topk": 1.3, "seed": 1.7}
+PROBE_PERIOD_S = 0.02
+IDLE_S = 30.0
+
+
+# -- the server process ------------------------------------------------------------------------
+
+
+def _server_main(conn: Any, size: int, config: dict[str, Any]) -> None:
+    """Serve a vector model of ``size`` values; answer 'stats' and 'stop' on ``conn``."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    from murmura.protocols import ModelSpec, TaskSettings, TensorSpec
+    from murmura.server import AggregatorCore, ServerConfig, ServerThread
+
+    train = TaskSettings(**config.pop("train", {}))
+    cfg = ServerConfig(address="127.0.0.1:0", train=train, **config)
+    spec = ModelSpec((TensorSpec("w", (size,)),))
+    core = AggregatorCore(cfg, spec, np.zeros(size, np.float32))
+    srv = ServerThread(core, "127.0.0.1:0").start()
+    conn.send(srv.address)
+    while True:
+        cmd = conn.recv()
+        if cmd == "stats":
+            tier = srv.server.tier
+            backend = tier.backend
+            conn.send({"tier": srv.call(tier.stats),
+                       "backend": srv.call(backend.stats) if backend is not None else {},
+                       "updates": srv.call(lambda: core.traffic.updates),
+                       "refused": srv.call(lambda: dict(core.traffic.refused))})
+        elif cmd == "stop":
+            srv.stop(grace=None)
+            conn.send("stopped")
+            return
+
+
+class ServerProcess:
+    def __init__(self, size: int, **config: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_server_main, args=(child, size, config), daemon=False)
+        self.proc.start()
+        if not self.conn.poll(120):
+            raise RuntimeError("the server process did not start")
+        self.address: str = self.conn.recv()
+
+    def stats(self) -> dict[str, Any]:
+        self.conn.send("stats")
+        return self.conn.recv()
+
+    def cpu_seconds(self) -> float:
+        return tree_cpu_seconds(self.proc.pid)
+
+    def stop(self) -> None:
+        try:
+            self.conn.send("stop")
+            self.conn.poll(60) and self.conn.recv()
+        finally:
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and every live descendant (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += times.get(p, 0.0)
+        todo += [c for c, pp in parents.items() if pp == p]
+    return total
+
+
+# -- load and probe ----------------------------------------------------------------------------
+
+
+def make_payloads(load: str, count: int) -> tuple[str, list[bytes]]:
+    """``count`` distinct pre-encoded updates (8 are generated and reused round-robin)."""
+    import torch
+
+    from murmura.protocols import create_codec
+
+    size, codec, options = LOADS[load]
+    c = create_codec(codec, options)
+    rng = np.random.default_rng(0)
+    distinct: list[bytes] = []
+    for i in range(min(count, 8)):
+        enc = c.encoder(size, seed=i)
+        if codec == "seed":
+            theta = torch.zeros(size)
+            for _ in range(SEED_STEPS):
+                enc.step(theta, seed=enc.next_seed(), g=float(rng.standard_normal()), lr=1e-3)
+            distinct.append(enc.encode(np.zeros(size, np.float32)))
+        else:
+            distinct.append(enc.encode((rng.standard_normal(size) * 1e-3).astype(np.float32)))
+    return codec, [distinct[i % len(distinct)] for i in range(count)]
+
+
+def push_load(address: str, codec: str, payloads: list[bytes]) -> float:
+    """Push every payload from PUSHERS threads; the seconds from first send to last answer."""
+    from murmura.client import GrpcTransport, RemoteError
+    from murmura.protocols import DeviceProfile, UpdateHeader
+
+    transports = [GrpcTransport(address, timeout_s=600) for _ in range(PUSHERS)]
+    sessions = [t.join(f"pusher-{i}", DeviceProfile())[0].session
+                for i, t in enumerate(transports)]
+    shares = [payloads[i::PUSHERS] for i in range(PUSHERS)]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        t, s = transports[i], sessions[i]
+        for payload in shares[i]:
+            header = UpdateHeader(session=s, update_id=uuid.uuid4().hex[:12], base_version=0,
+                                  round=0, num_examples=10, codec=codec,
+                                  payload_bytes=len(payload))
+            while True:
+                try:
+                    t.push(header, payload)
+                    break
+                except RemoteError as exc:  # back-pressure: wait as the server asks
+                    if exc.retry_after_s is None:
+                        errors.append(exc)
+                        return
+                    time.sleep(exc.retry_after_s)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(PUSHERS)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    elapsed = time.perf_counter() - t0
+    for t in transports:
+        t.close()
+    if errors:
+        raise RuntimeError(f"a push was refused: {errors[0]}")
+    return elapsed
+
+
+def _probe_main(address: str, stop: Any, out: Any) -> None:
+    from murmura.client import GrpcTransport
+    from murmura.protocols import DeviceProfile
+
+    t = GrpcTransport(address, timeout_s=60)
+    join_ms: list[float] = []
+    task_ms: list[float] = []
+    i = 0
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        session = t.join(f"probe-{i}", DeviceProfile())[0].session
+        t1 = time.perf_counter()
+        t.task(session, 0.0)
+        t2 = time.perf_counter()
+        join_ms.append(1e3 * (t1 - t0))
+        task_ms.append(1e3 * (t2 - t1))
+        i += 1
+        stop.wait(PROBE_PERIOD_S)
+    t.close()
+    out.send((join_ms, task_ms))
+
+
+def p99(values: list[float]) -> float:
+    return float(np.percentile(values, 99)) if values else float("nan")
+
+
+def measure(load: str, workers: int, payloads: list[bytes], codec: str, *,
+            backend: str = "process", idle: bool = True) -> dict[str, Any]:
+    size, _, options = LOADS[load]
+    config = {"mode": "async", "min_clients": 1, "max_versions": 1, "buffer_size": 10**9,
+              "max_staleness": 10**9, "workers": workers, "backend": backend,
+              "max_payload_mb": 256, "train": {"codec": codec, "codec_options": options}}
+    if workers != 0:
+        config["max_workers"] = 2
+    server = ServerProcess(size, **config)
+    ctx = mp.get_context("spawn")
+    stop, (rx, tx) = ctx.Event(), ctx.Pipe(duplex=False)
+    probe = ctx.Process(target=_probe_main, args=(server.address, stop, tx))
+    try:
+        probe.start()
+        time.sleep(1.0)  # the probe's interpreter starts (imports) before the load does
+        elapsed = push_load(server.address, codec, payloads)
+        stop.set()
+        join_ms, task_ms = rx.recv()
+        probe.join(30)
+        stats = server.stats()
+        row: dict[str, Any] = {
+            "load": load, "path": _path_name(workers, backend), "pushes": len(payloads),
+            "seconds": elapsed, "updates_per_s": len(payloads) / elapsed,
+            "taken": stats["updates"], "join_p99_ms": p99(join_ms),
+            "task_p99_ms": p99(task_ms), "probes": len(join_ms),
+            "refused": sum(stats["refused"].values()),
+        }
+        b = stats["backend"]
+        row["cold_starts"] = b.get("cold_starts")
+        row["cold_start_ms"] = _ms(b.get("cold_start_mean_s"))
+        row["dispatch_ms"] = _ms(b.get("dispatch_mean_s"))
+        if idle:
+            cpu0 = server.cpu_seconds()
+            time.sleep(IDLE_S)
+            row["idle_cpu_s"] = server.cpu_seconds() - cpu0
+            row["workers_left"] = server.stats()["tier"].get("workers", 0)
+        return row
+    finally:
+        stop.set()
+        if probe.is_alive():
+            probe.kill()
+        server.stop()
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
+def _path_name(workers: int, backend: str) -> str:
+    if workers == 0:
+        return "in-process (workers 0)"
+    return "Ray, local" if backend == "ray" else "2 worker processes"
+
+
+# -- hierarchy ---------------------------------------------------------------------------------
+
+
+def hierarchy(versions: int) -> dict[str, Any]:
+    """Flat vs clients -> 2 leaves -> middle -> top, exact sums; final models and timings."""
+    import torch
+
+    from murmura.client import ClientRuntime, FunctionTrainer, GrpcTransport, RetryPolicy
+    from murmura.server import ServerConfig, ServerThread, build_core
+    from murmura.server.leaf import Leaf
+    from murmura.tasks import TaskConfig, load_task
+
+    task_cfg = TaskConfig(task="digits", model="mlp", partition="iid")
+    task = load_task(task_cfg)
+
+    def fn(index: int):  # noqa: ANN202
+        def train(model: torch.nn.Module, settings: Any, seed: int) -> dict[str, float]:
+            with torch.no_grad():
+                for k, p in enumerate(model.parameters()):
+                    p.add_(0.01 * torch.tanh(p * (index + 1)) + 1e-4 * (index - 1.5) * (k + 1))
+            return {"num_examples": 10 + index}
+        return train
+
+    def clients(addresses: list[str]) -> list[threading.Thread]:
+        out = []
+        for i, address in enumerate(addresses):
+            runtime = ClientRuntime(GrpcTransport(address, timeout_s=60),
+                                    FunctionTrainer(task.build_model(), fn(i)),
+                                    client_id=f"client-{i}", wait_s=2.0,
+                                    retry=RetryPolicy(initial_s=0.05, give_up_after_s=120))
+            th = threading.Thread(target=runtime.run, daemon=True)
+            th.start()
+            out.append(th)
+        return out
+
+    def top(min_clients: int) -> Any:
+        return build_core(ServerConfig(mode="sync", min_clients=min_clients, workers=0,
+                                       max_versions=versions, accumulator="exact"),
+                          task_cfg, out_dir=None, evaluate=False)
+
+    def leaf(up: str, name: str) -> Any:
+        return Leaf(ServerConfig(role="leaf", upstream=up, name=name, min_clients=2, workers=0,
+                                 accumulator="exact"), task_cfg)
+
+    core = top(4)
+    with ServerThread(core, "127.0.0.1:0") as srv:
+        t0 = time.perf_counter()
+        threads = clients([srv.address] * 4)
+        srv.wait_done(600)
+        flat_s = time.perf_counter() - t0
+        flat = srv.call(lambda: core.params.copy())
+    for th in threads:
+        th.join(30)
+
+    core = top(1)
+    servers = []
+    try:
+        servers.append(ServerThread(core, "127.0.0.1:0").start())
+        servers.append(ServerThread(leaf(servers[0].address, "middle")).start())
+        for name in ("leaf-a", "leaf-b"):
+            servers.append(ServerThread(leaf(servers[1].address, name)).start())
+        t0 = time.perf_counter()
+        threads = clients([servers[2].address] * 2 + [servers[3].address] * 2)
+        servers[0].wait_done(600)
+        tree_s = time.perf_counter() - t0
+        tree = servers[0].call(lambda: core.params.copy())
+        for th in threads:
+            th.join(30)
+    finally:
+        for s in reversed(servers):
+            s.stop(grace=None)
+    return {"identical": bool(np.array_equal(flat, tree)),
+            "max_abs_diff": float(np.abs(flat - tree).max()),
+            "flat_s_per_version": flat_s / versions, "tree_s_per_version": tree_s / versions,
+            "versions": versions}
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = parse_args("serverless", "The serverless aggregation tier vs the in-process path",
+                      argv)
+    quick = args.quick
+    pushes = {"int8": 40, "topk": 60, "seed": 12} if quick else {"int8": 200, "topk": 200,
+                                                                   "seed": 200}
+    report = Report("serverless", quick=quick, params={
+        "pushers": PUSHERS, "loads": {k: {"size": v[0], "codec": v[1], "options": v[2]}
+                                      for k, v in LOADS.items()},
+        "seed_steps": SEED_STEPS, "pushes": pushes, "probe_period_s": PROBE_PERIOD_S,
+        "idle_s": IDLE_S})
+    rows: list[dict[str, Any]] = []
+    for load in LOADS:
+        progress(f"{load}: encoding {pushes[load]} updates")
+        codec, payloads = make_payloads(load, pushes[load])
+        for workers in (0, -1):
+            progress(f"{load}: {_path_name(workers, 'process')}")
+            row = measure(load, workers, payloads, codec)
+            rows.append(row)
+            progress(f"  {row['updates_per_s']:.2f} updates/s, GetTask p99 "
+                     f"{row['task_p99_ms']:.1f} ms, Join p99 {row['join_p99_ms']:.1f} ms, "
+                     f"idle CPU {row.get('idle_cpu_s', 0):.2f} s")
+    ray_row = None
+    try:
+        import ray  # noqa: F401
+
+        progress("int8 through Ray")
+        codec, payloads = make_payloads("int8", pushes["int8"])
+        ray_row = measure("int8", -1, payloads, codec, backend="ray", idle=False)
+        rows.append(ray_row)
+    except ImportError:
+        report.note("Ray is not installed here (`pip install \"murmura[ray]\"`): no Ray row.")
+    progress("hierarchy: flat vs 3 levels")
+    tree = hierarchy(3 if quick else 10)
+
+    by = {(r["load"], r["path"]): r for r in rows}
+    for load in LOADS:
+        ours = by[(load, "2 worker processes")]
+        peer = by[(load, "in-process (workers 0)")]
+        ours["vs_in_process"] = ours["updates_per_s"] / peer["updates_per_s"]
+    cols = [Column("load", "load"), Column("path", "decoding"), Column("pushes", "pushes"),
+            Column("updates_per_s", "updates/s", "{:.2f}"),
+            Column("vs_in_process", "÷ in-process", "{:.2f}x"),
+            Column("task_p99_ms", "GetTask p99 ms", "{:.1f}"),
+            Column("join_p99_ms", "Join p99 ms", "{:.1f}"),
+            Column("idle_cpu_s", f"idle CPU s / {IDLE_S:g} s", "{:.2f}"),
+            Column("workers_left", "workers left"),
+            Column("cold_starts", "cold starts"), Column("cold_start_ms", "cold start ms",
+                                                         "{:.0f}"),
+            Column("dispatch_ms", "warm dispatch ms", "{:.2f}")]
+    report.table("Throughput, responsiveness and idle cost", cols, rows)
+    report.table("Hierarchy: 3 levels against flat on the same updates (exact sums)",
+                 [Column("versions", "versions"), Column("identical", "identical model"),
+                  Column("max_abs_diff", "max |flat - tree|", "{:.3g}"),
+                  Column("flat_s_per_version", "flat s/version", "{:.3f}"),
+                  Column("tree_s_per_version", "3 levels s/version", "{:.3f}")], [tree])
+    for load, goal in TARGETS.items():
+        r = by[(load, "2 worker processes")]
+        report.target(f"{load}: updates/s with 2 workers ÷ in-process", r["vs_in_process"],
+                      ">=", goal, unit="x")
+    tier_rows = [r for r in rows if r["path"] == "2 worker processes"]
+    report.target("GetTask p99 under load (worst load, 2 workers)",
+                  max(r["task_p99_ms"] for r in tier_rows), "<=", 50, unit="ms")
+    report.target("Join p99 under load (worst load, 2 workers)",
+                  max(r["join_p99_ms"] for r in tier_rows), "<=", 50, unit="ms")
+    report.target(f"idle CPU seconds in {IDLE_S:g} s after the load (worst load, 2 workers)",
+                  max(r["idle_cpu_s"] for r in tier_rows), "<=", 0.3, unit="s")
+    report.target("workers left after the idle period (worst load)",
+                  max(r["workers_left"] for r in tier_rows), "<=", 0)
+    report.target("3 levels vs flat: models identical (1 = yes)", float(tree["identical"]),
+                  ">=", 1)
+    report.note(
+        f"One aggregator process per row (async mode, a buffer larger than the load, so the "
+        f"rows measure taking updates in: receive, decode, check, fold); {PUSHERS} pusher "
+        f"threads send pre-encoded updates as fast as it answers; a probe process times a Join "
+        f"and a GetTask every {1e3 * PROBE_PERIOD_S:g} ms meanwhile. 'in-process' decodes on "
+        f"the gRPC event loop (`--workers 0`); '2 worker processes' is the serverless tier "
+        f"(`--max-workers 2`). Both run on the same 2-core machine as the load generator. "
+        f"Idle: CPU seconds of the server process and its descendants over {IDLE_S:g} s "
+        f"without clients, right after the load (workers stop after `--worker-idle-s`, 10 s).")
+    _plot(report, rows)
+    return report.finish(save=not args.no_save)
+
+
+def _plot(report: Report, rows: list[dict[str, Any]]) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    loads = list(LOADS)
+    paths = ["in-process (workers 0)", "2 worker processes", "Ray, local"]
+    by = {(r["load"], r["path"]): r for r in rows}
+    width = 0.27
+    for j, path in enumerate(paths):
+        xs = [i + (j - 1) * width for i in range(len(loads))]
+        ys = [by[(ld, path)]["updates_per_s"] if (ld, path) in by else 0 for ld in loads]
+        axes[0].bar(xs, ys, width, label=path)
+        ps = [by[(ld, path)]["task_p99_ms"] if (ld, path) in by else 0 for ld in loads]
+        axes[1].bar(xs, ps, width, label=path)
+    for ax, label in ((axes[0], "updates/s"), (axes[1], "GetTask p99 (ms, log)")):
+        ax.set_xticks(range(len(loads)), [f"{ld} ({LOADS[ld][0] / 1e6:g}M)" for ld in loads])
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, axis="y")
+    axes[1].set_yscale("log")
+    axes[1].axhline(50, color="grey", ls="--", lw=0.8, label="target 50 ms")
+    axes[0].legend(fontsize=8)
+    axes[1].legend(fontsize=8)
+    fig.suptitle("Serverless tier vs in-process decoding, 2-core machine")
+    fig.tight_layout()
+    fig.savefig(report.plot_path(), dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(run())

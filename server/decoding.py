@@ -1,0 +1,173 @@
+"""The aggregation function: decode and check one update, wherever it runs.
+
+Decoding is the expensive part of taking an update in (an int8 or top-k payload of a 10M-value
+model costs tens of milliseconds, a seed-based update replays hundreds of steps over the whole
+model), so the serverless tier runs it away from the gRPC event loop: in worker processes, on
+Ray, or inline for tests and the simulator. Every backend runs this module's code, so they
+cannot disagree about what a valid update is.
+
+A :class:`Decoder` holds what decoding needs that is fixed for a run (model size, the run's
+codec options, the seed pool); it is small and picklable, and worker processes cache the codec
+objects it builds. :meth:`Decoder.decode` refuses malformed input with
+:class:`~murmura.server.errors.InvalidArgument` and never returns a non-finite value.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from murmura.aggregation import Partial
+from murmura.protocols import CodecError, FlatVector, TaskSettings, UnknownCodecError, create_codec
+from murmura.protocols.codecs import Codec
+from murmura.protocols.codecs.partial import PartialPayload, decode_partial
+from murmura.protocols.codecs.seed import SeedCodec
+from murmura.protocols.pool import seed_pool_for
+from murmura.server.errors import FailedPrecondition, InvalidArgument
+
+#: The codec of a partial aggregate a leaf aggregator pushes to its parent.
+PARTIAL_CODEC = "partial"
+
+
+@dataclass
+class Decoded:
+    """One decoded push: an update, or a leaf's partial aggregate.
+
+    ``values`` is the update (model-sized; K pool coordinates in a seed-pool run) or a float32
+    partial's weighted sum. A partial carries its own ``weight`` (the sum of its updates'
+    weights) and ``count``; an exact partial carries integer ``limbs`` instead of ``values``.
+    """
+
+    values: FlatVector | None
+    weight: float | None = None
+    count: int = 1
+    limbs: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def is_partial(self) -> bool:
+        return self.weight is not None
+
+    def as_partial(self) -> Partial:
+        """A partial aggregate for the rule's ``merge`` (only when :attr:`is_partial`)."""
+        assert self.weight is not None
+        if self.limbs is not None:
+            return Partial.from_arrays(weight=self.weight, count=self.count, limbs=self.limbs)
+        return Partial.from_arrays(weight=self.weight, count=self.count, sum_f32=self.values)
+
+    @property
+    def nbytes(self) -> int:
+        if self.limbs is not None:
+            return int(self.limbs[0].nbytes + self.limbs[1].nbytes)
+        return 0 if self.values is None else int(self.values.nbytes)
+
+
+@functools.lru_cache(maxsize=32)
+def _codec(name: str, options: tuple[tuple[str, str], ...]) -> Codec:
+    try:
+        return create_codec(name, dict(options))
+    except UnknownCodecError as exc:
+        raise InvalidArgument(str(exc)) from None
+    except CodecError as exc:
+        raise InvalidArgument(f"codec {name!r} is misconfigured: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """Decodes this run's updates. ``size`` is the model's number of values."""
+
+    size: int
+    settings: TaskSettings
+
+    @functools.cached_property
+    def pool(self):  # noqa: ANN201 - SeedPool | None, built once per process
+        return seed_pool_for(self.settings)
+
+    @property
+    def update_size(self) -> int:
+        """Length of the vectors the policy aggregates: the model, or K pool coordinates."""
+        return len(self.pool) if self.pool is not None else self.size
+
+    def codec(self, name: str) -> Codec:
+        # A client may pick its own codec; options are the server's settings for that codec.
+        options = self.settings.codec_options if name == self.settings.codec else {}
+        return _codec(name, tuple(sorted(options.items())))
+
+    def needs_reference(self, codec: str) -> bool:
+        """True when decoding ``codec`` needs the model version the update was trained on."""
+        return codec != PARTIAL_CODEC and self.pool is None and self.codec(codec).needs_reference
+
+    def decoded_nbytes(self, codec: str) -> int:
+        """An upper bound on the bytes :meth:`decode` produces (to size output buffers)."""
+        if codec == PARTIAL_CODEC:
+            return 16 * self.size  # an exact partial: two int64 limbs per value
+        return 4 * self.update_size
+
+    def decode(self, codec: str, payload: bytes | bytearray | memoryview, *,
+               reference: FlatVector | None = None) -> Decoded:
+        """Decode and check one payload; :class:`InvalidArgument` says what is wrong."""
+        if codec == PARTIAL_CODEC:
+            return self._partial(payload)
+        if self.pool is not None:
+            return Decoded(self._pool_update(codec, payload))
+        c = self.codec(codec)
+        if c.needs_reference and reference is None:
+            raise FailedPrecondition(f"codec {codec!r} needs the model version the update was "
+                                     f"trained on, which is no longer kept; train on the "
+                                     f"current version")
+        try:
+            update = c.decode(payload, self.size, reference=reference)
+        except CodecError as exc:
+            raise InvalidArgument(f"payload does not decode: {exc}") from None
+        if update.shape != (self.size,):
+            raise InvalidArgument(f"update has {update.size} values; the model has {self.size}")
+        check_finite(update, "update")
+        return Decoded(update)
+
+    def _pool_update(self, codec: str, payload: bytes | bytearray | memoryview) -> FlatVector:
+        """A pool run's update: the K coefficients its steps applied along the pool seeds."""
+        pool = self.pool
+        c = self.codec(codec)
+        if not isinstance(c, SeedCodec) or not c.pool_size:
+            raise InvalidArgument(f"this run aggregates seed-pool updates (codec 'seed' with "
+                                  f"pool={len(pool)}); codec {codec!r} without the pool cannot "
+                                  f"be taken")
+        try:
+            update = pool.contribution(c.unpack(payload)).astype(np.float32)
+        except CodecError as exc:
+            raise InvalidArgument(f"payload does not decode: {exc}") from None
+        if not np.isfinite(update).all():
+            raise InvalidArgument("the update's pool coefficients overflow float32")
+        return update
+
+    def _partial(self, payload: bytes | bytearray | memoryview) -> Decoded:
+        if self.pool is not None:
+            raise InvalidArgument("a seed-pool run takes no partial aggregates")
+        try:
+            p: PartialPayload = decode_partial(payload, self.size)
+        except CodecError as exc:
+            raise InvalidArgument(f"partial aggregate does not decode: {exc}") from None
+        if p.exact:
+            return Decoded(None, weight=p.weight, count=p.count, limbs=p.limbs)
+        assert p.sum_f32 is not None
+        check_finite(p.sum_f32, "partial aggregate")
+        return Decoded(p.sum_f32, weight=p.weight, count=p.count)
+
+
+def check_finite(values: FlatVector, what: str) -> None:
+    """Refuse NaN and Inf with the first bad index.
+
+    NaN and Inf propagate through a sum, so a finite sum proves every value finite in one pass
+    without a mask; only a non-finite sum (or an overflow) needs the exact check.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = np.add.reduce(values, dtype=np.float32)
+    if not np.isfinite(total):
+        finite = np.isfinite(values)
+        if not finite.all():
+            bad = int(np.flatnonzero(~finite)[0])
+            raise InvalidArgument(f"{what} contains NaN or Inf (first at index {bad})")
+
+
+__all__ = ["PARTIAL_CODEC", "Decoded", "Decoder", "check_finite"]

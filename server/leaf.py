@@ -1,0 +1,187 @@
+"""A leaf aggregator: folds its clients' updates and pushes the partial aggregate upstream.
+
+A leaf is the same pipeline as the top aggregator (gateway, aggregation functions, publisher),
+except for the last step: instead of making a new version, the publisher hands the rule's
+partial aggregate (weighted sum, total weight, count) to the leaf's *upstream link*, which is
+an ordinary :class:`~murmura.client.ClientRuntime` talking to the parent. To the parent a leaf
+is one heavy client whose "training" is a round of its own clients:
+
+1. the link pulls the parent's current version and installs it in the leaf's core, so the
+   leaf's clients train on exactly the parent's model and version numbers;
+2. the leaf's policy runs its round (sync) or fills its buffer (async) as a top aggregator
+   would, folding each update with the same weights and staleness discounts;
+3. the publisher forwards the partial; the link pushes it with codec ``partial`` (retries,
+   re-joins and update ids come with the runtime), and waits for the parent's next task.
+
+A middle level is a leaf whose clients are leaves: it merges their partials. With
+``accumulator = "exact"`` on every level the top's model is bit-identical to a flat run on the
+same updates (the sums are exact, so grouping cannot change them); with float32 they agree to
+float32 rounding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import secrets
+import threading
+from pathlib import Path
+from typing import Any
+
+from murmura.aggregation import Aggregator
+from murmura.client import ClientRuntime, GrpcTransport, RemoteError, Trainer, TrainResult
+from murmura.protocols import DeviceProfile, FlatVector, ModelSpec, TaskSettings
+from murmura.protocols.codecs.partial import encode_partial
+from murmura.server.app import AggregatorServer, build_core
+from murmura.server.config import ServerConfig
+from murmura.server.core import AggregatorCore
+from murmura.server.decoding import PARTIAL_CODEC
+from murmura.tasks import TaskConfig
+
+log = logging.getLogger(__name__)
+
+#: A leaf makes no versions of its own; the parent's max_versions ends the run.
+_NO_LIMIT = 1 << 62
+
+
+def partial_payload(aggregator: Aggregator) -> tuple[bytes, float, int]:
+    """``(payload, weight, count)`` of the partial aggregate ``aggregator`` holds."""
+    partial = aggregator.partial()  # type: ignore[attr-defined]
+    return encode_partial(**partial.as_arrays()), float(partial.weight), int(partial.count)
+
+
+class LeafTrainer(Trainer):
+    """The upstream link's trainer: 'training' on the parent's model is one local round."""
+
+    def __init__(self, core: AggregatorCore) -> None:
+        self.core = core
+        self.spec: ModelSpec = core.spec
+        self._version = 0
+        self._partials: queue.Queue[tuple[bytes, float, int]] = queue.Queue()
+        self.stopping = threading.Event()
+
+    def on_pull(self, version: int) -> None:
+        self._version = version
+
+    def forward(self, aggregator: Aggregator, updates: int) -> None:
+        """The core's publish step on a leaf (publisher thread): queue the partial."""
+        try:
+            self._partials.put(partial_payload(aggregator))
+        finally:
+            aggregator.reset()
+
+    def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
+        version, core = self._version, self.core
+        core.post(lambda: core.install(version, params))  # the leaf's clients train on it
+        while not self.stopping.is_set():
+            try:
+                payload, weight, count = self._partials.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            log.info("leaf: forwarding %d updates (weight %g) trained on version %d", count,
+                     weight, version)
+            return TrainResult(params=None, num_examples=max(1, round(weight)),
+                               metrics={"updates": float(count)},
+                               encoded=(PARTIAL_CODEC, payload))
+        raise RemoteError("CANCELLED", "the leaf is shutting down")
+
+
+class Leaf:
+    """A leaf aggregator server plus its upstream link (started with :meth:`start`)."""
+
+    def __init__(self, config: ServerConfig, task_config: TaskConfig, *,
+                 out_dir: str | Path | None = None, evaluate: bool = False) -> None:
+        if config.role != "leaf":
+            raise ValueError("Leaf needs a config with role 'leaf'")
+        self.config = config
+        self.task_config = task_config
+        self.out_dir = out_dir
+        self.evaluate = evaluate
+        self.name = config.name
+        self.core: AggregatorCore | None = None
+        self.server: AggregatorServer | None = None
+        self.trainer: LeafTrainer | None = None
+        self._link: threading.Thread | None = None
+        self.link_error: BaseException | None = None
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None
+        return self.server.address
+
+    async def start(self) -> None:
+        """Learn the parent's settings, start serving clients, then join the parent."""
+        loop = asyncio.get_running_loop()
+        settings = await loop.run_in_executor(None, self._parent_settings)
+        config = dataclasses.replace(self.config, train=settings, max_versions=_NO_LIMIT)
+        core = build_core(config, self.task_config, out_dir=self.out_dir,
+                          evaluate=self.evaluate, checkpoint=False, fresh_metrics=True)
+        self.trainer = LeafTrainer(core)
+        core.forward = self.trainer.forward
+        core.ready = False  # no client trains before the parent's model is installed
+        self.core = core
+        self.server = AggregatorServer(core)
+        await self.server.start()
+        if not self.name:
+            self.name = f"leaf-{self.server.address.replace(':', '-')}"
+        self._link = threading.Thread(target=self._run_link, name="murmura-upstream",
+                                      daemon=True)
+        self._link.start()
+        log.info("leaf %s serves clients on %s, upstream %s", self.name, self.server.address,
+                 self.config.upstream)
+
+    def _parent_settings(self) -> TaskSettings:
+        transport = GrpcTransport(self.config.upstream)
+        probe = f"{self.name or 'leaf'}-probe-{secrets.token_hex(4)}"
+        try:
+            result, _ = transport.join(probe, DeviceProfile(device="leaf"),
+                                       self.config.join_token)
+            try:
+                transport.leave(result.session)
+            except RemoteError:
+                pass
+        except RemoteError as exc:
+            raise ValueError(f"cannot reach the parent aggregator at {self.config.upstream}: "
+                             f"{exc}") from None
+        finally:
+            transport.close()
+        return result.settings
+
+    def _run_link(self) -> None:
+        assert self.core is not None and self.trainer is not None
+        core = self.core
+        transport = GrpcTransport(self.config.upstream)
+        try:
+            runtime = ClientRuntime(transport, self.trainer, client_id=self.name,
+                                    profile=DeviceProfile(device="leaf", device_name=self.address),
+                                    token=self.config.join_token)
+            runtime.run()
+            log.info("leaf %s: the parent says stop", self.name)
+        except BaseException as exc:  # the link failed for good: stop serving
+            if not self.trainer.stopping.is_set():
+                self.link_error = exc
+                log.error("leaf %s: upstream link failed: %s", self.name, exc)
+        finally:
+            transport.close()
+            core.post(core.stop)
+
+    async def wait_done(self, timeout: float | None = None) -> bool:
+        assert self.server is not None
+        return await self.server.wait_done(timeout)
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        if self.trainer is not None:
+            self.trainer.stopping.set()
+        if self.server is not None:
+            await self.server.stop(grace)
+        if self._link is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._link.join, 30)
+
+    def status(self) -> dict[str, Any]:
+        assert self.core is not None
+        return {"name": self.name, **self.core.status()}
+
+
+__all__ = ["Leaf", "LeafTrainer", "partial_payload"]

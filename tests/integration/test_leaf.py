@@ -1,0 +1,186 @@
+"""Hierarchical aggregation: clients -> leaves -> middle -> top over real gRPC on loopback."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from murmura.client import ClientRuntime, FunctionTrainer, GrpcTransport, RemoteError, RetryPolicy
+from murmura.protocols import DeviceProfile, UpdateHeader
+from murmura.protocols.codecs.partial import encode_partial
+from murmura.server import ServerConfig, ServerThread, build_core
+from murmura.server.leaf import Leaf
+from murmura.tasks import TaskConfig, load_task
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TASK = TaskConfig(task="digits", model="mlp", partition="iid")
+VERSIONS = 3
+
+
+def client_fn(index: int):  # noqa: ANN201
+    """A deterministic 'training' step: the update depends only on (client, model)."""
+    def fn(model: torch.nn.Module, settings, seed) -> dict[str, float]:
+        with torch.no_grad():
+            for k, p in enumerate(model.parameters()):
+                p.add_(0.01 * torch.tanh(p * (index + 1)) + 1e-4 * (index - 1.5) * (k + 1))
+        return {"num_examples": 10 + index}
+    return fn
+
+
+def run_clients(addresses: list[str]) -> list[threading.Thread]:
+    task = load_task(TASK)
+    threads = []
+    for i, address in enumerate(addresses):
+        trainer = FunctionTrainer(task.build_model(), client_fn(i))
+        runtime = ClientRuntime(GrpcTransport(address, timeout_s=30), trainer,
+                                client_id=f"client-{i}", wait_s=2.0,
+                                retry=RetryPolicy(initial_s=0.05, give_up_after_s=60))
+        th = threading.Thread(target=runtime.run, daemon=True)
+        th.start()
+        threads.append(th)
+    return threads
+
+
+def top_config(accumulator: str, min_clients: int) -> ServerConfig:
+    return ServerConfig(mode="sync", min_clients=min_clients, max_versions=VERSIONS,
+                        accumulator=accumulator, workers=0)
+
+
+def leaf_config(upstream: str, name: str, accumulator: str) -> ServerConfig:
+    return ServerConfig(role="leaf", upstream=upstream, name=name, min_clients=2,
+                        accumulator=accumulator, workers=0)
+
+
+def flat_run(accumulator: str) -> np.ndarray:
+    core = build_core(top_config(accumulator, 4), TASK, out_dir=None, evaluate=False)
+    with ServerThread(core, "127.0.0.1:0") as top:
+        threads = run_clients([top.address] * 4)
+        assert top.wait_done(timeout=120)
+        params = top.call(lambda: core.params.copy())
+    for th in threads:
+        th.join(30)
+    return params
+
+
+def hierarchical_run(accumulator: str) -> tuple[np.ndarray, dict]:
+    core = build_core(top_config(accumulator, 1), TASK, out_dir=None, evaluate=False)
+    servers: list[ServerThread] = []
+    try:
+        top = ServerThread(core, "127.0.0.1:0").start()
+        servers.append(top)
+        middle = ServerThread(Leaf(leaf_config(top.address, "middle", accumulator), TASK))
+        servers.append(middle.start())
+        leaves = [ServerThread(Leaf(leaf_config(middle.address, f"leaf-{x}", accumulator), TASK))
+                  for x in "ab"]
+        for leaf in leaves:
+            servers.append(leaf.start())
+        threads = run_clients([leaves[0].address] * 2 + [leaves[1].address] * 2)
+        assert top.wait_done(timeout=120)
+        params = top.call(lambda: core.params.copy())
+        metrics = top.call(lambda: dict(core.last_metrics))
+        for th in threads:
+            th.join(30)
+    finally:
+        for srv in reversed(servers):
+            srv.stop(grace=None)
+    return params, metrics
+
+
+def test_three_levels_give_the_flat_run_s_model_bit_for_bit_with_exact_sums() -> None:
+    flat = flat_run("exact")
+    tree, metrics = hierarchical_run("exact")
+    assert metrics["version"] == VERSIONS and metrics["updates_in_version"] == 4
+    assert np.array_equal(flat, tree)
+
+
+def test_three_levels_match_the_flat_run_to_float32_rounding() -> None:
+    flat = flat_run("float32")
+    tree, _ = hierarchical_run("float32")
+    np.testing.assert_allclose(tree, flat, rtol=1e-5, atol=1e-7)
+
+
+# -- bad partial aggregates: refused like a bad client push, model unchanged -----------------
+
+
+@pytest.fixture
+def top():
+    core = build_core(ServerConfig(mode="async", buffer_size=1, min_clients=1, max_versions=5,
+                                   workers=0), TASK, out_dir=None, evaluate=False)
+    with ServerThread(core, "127.0.0.1:0") as srv:
+        yield srv
+
+
+def _push_partial(t: GrpcTransport, session: str, payload: bytes, *, base_version: int = 0
+                  ) -> object:
+    return t.push(UpdateHeader(session=session, update_id=uuid.uuid4().hex[:12],
+                               base_version=base_version, round=0, num_examples=4,
+                               codec="partial", payload_bytes=len(payload)), payload)
+
+
+def test_bad_partials_are_refused_and_the_model_is_unchanged(top) -> None:
+    size = top.core.spec.size
+    before = top.call(lambda: top.core.params.copy())
+    t = GrpcTransport(top.address, timeout_s=10)
+    s = t.join("leaf-x", DeviceProfile())[0].session
+    ok = np.full(size, 0.5, np.float32)
+    nan = ok.copy()
+    nan[3] = np.nan
+    cases = {
+        "wrong size": (encode_partial(weight=4.0, count=2, sum_f32=ok[:-1]), 0),
+        "non-finite": (encode_partial(weight=4.0, count=2, sum_f32=nan), 0),
+        "truncated": (encode_partial(weight=4.0, count=2, sum_f32=ok)[:-3], 0),
+        "unknown version": (encode_partial(weight=4.0, count=2, sum_f32=ok), 7),
+    }
+    for name, (payload, version) in cases.items():
+        with pytest.raises(RemoteError) as err:
+            _push_partial(t, s, payload, base_version=version)
+        assert err.value.status == "INVALID_ARGUMENT", name
+    assert top.call(lambda: (top.core.version, top.core.traffic.updates)) == (0, 0)
+    assert np.array_equal(top.call(lambda: top.core.params.copy()), before)
+    # a good partial counts as its updates and moves the model by its mean
+    _push_partial(t, s, encode_partial(weight=4.0, count=2, sum_f32=ok))
+    version, params = t.pull(s)
+    assert version == 1
+    np.testing.assert_allclose(params - before, ok / 4.0, rtol=1e-6)
+    t.close()
+
+
+def test_non_positive_partial_weight_cannot_even_be_encoded() -> None:
+    with pytest.raises(ValueError):
+        encode_partial(weight=0.0, count=1, sum_f32=np.zeros(4, np.float32))
+
+
+def test_a_rule_that_needs_every_update_refuses_partials() -> None:
+    core = build_core(ServerConfig(defense="median", min_clients=1, workers=0), TASK,
+                      out_dir=None, evaluate=False)
+    with ServerThread(core, "127.0.0.1:0") as srv:
+        t = GrpcTransport(srv.address, timeout_s=10)
+        s = t.join("leaf-x", DeviceProfile())[0].session
+        payload = encode_partial(weight=1.0, count=1,
+                                 sum_f32=np.zeros(core.spec.size, np.float32))
+        with pytest.raises(RemoteError) as err:
+            _push_partial(t, s, payload)
+        assert err.value.status == "FAILED_PRECONDITION" and "median" in err.value.message
+        t.close()
+
+
+def test_a_leaf_config_needs_an_upstream_and_a_decomposable_rule() -> None:
+    with pytest.raises(ValueError, match="upstream"):
+        ServerConfig(role="leaf")
+    with pytest.raises(ValueError, match="decomposable"):
+        ServerConfig(role="leaf", upstream="127.0.0.1:1", defense="krum")
+    with pytest.raises(ValueError, match="decomposable"):
+        ServerConfig(accumulator="exact", defense="median")
+
+
+def test_a_leaf_whose_parent_is_unreachable_says_so() -> None:
+    import asyncio
+
+    leaf = Leaf(ServerConfig(role="leaf", upstream="127.0.0.1:1", workers=0), TASK)
+    with pytest.raises(ValueError, match="cannot reach the parent aggregator at 127.0.0.1:1"):
+        asyncio.run(asyncio.wait_for(leaf.start(), 60))

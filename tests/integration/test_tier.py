@@ -1,0 +1,246 @@
+"""The serverless tier end to end: decoding in worker processes over real gRPC on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from murmura.client import ClientRuntime, FunctionTrainer, GrpcTransport, RemoteError, RetryPolicy
+from murmura.protocols import (
+    DeviceProfile,
+    ModelSpec,
+    TaskSettings,
+    TensorSpec,
+    UpdateHeader,
+    create_codec,
+)
+from murmura.server import AggregatorCore, ServerConfig, ServerThread
+
+pytestmark = pytest.mark.integration
+
+SIZE = 20_000
+
+
+def vector_spec(n: int = SIZE) -> ModelSpec:
+    return ModelSpec((TensorSpec("w", (n,)),))
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def serve():
+    running: list[ServerThread] = []
+
+    def start(core: AggregatorCore) -> ServerThread:
+        srv = ServerThread(core, "127.0.0.1:0").start()
+        running.append(srv)
+        return srv
+
+    yield start
+    for srv in running:
+        srv.stop(grace=None)
+
+
+def update_for(client: int, version: int) -> np.ndarray:
+    """A deterministic update per (client, version), with values over many magnitudes."""
+    rng = np.random.default_rng([client, version])
+    return (rng.standard_normal(SIZE) * 10.0 ** rng.integers(-6, 1, SIZE)).astype(np.float32)
+
+
+def run_sync(serve, *, workers: int, codec: str = "int8", clients: int = 5, versions: int = 3,
+             accumulator: str = "float32", options: dict[str, str] | None = None) -> np.ndarray:
+    """``versions`` sync rounds of ``clients`` pushing concurrently; the final model."""
+    cfg = ServerConfig(min_clients=clients, max_versions=versions, workers=workers,
+                       max_workers=max(workers, 1), accumulator=accumulator,
+                       train=TaskSettings(codec=codec, codec_options=options or {}))
+    srv = serve(AggregatorCore(cfg, vector_spec(), np.zeros(SIZE, np.float32)))
+    t = GrpcTransport(srv.address, timeout_s=30)
+    sessions = [t.join(f"client-{i}", DeviceProfile())[0].session for i in range(clients)]
+    codec_obj = create_codec(codec, options or {})
+    for _ in range(versions):
+        tasks = [t.task(s, 5.0) for s in sessions]
+        version = tasks[0].version
+
+        def push(i: int) -> None:
+            payload = codec_obj.encoder(SIZE, seed=i).encode(update_for(i, version))
+            t.push(UpdateHeader(session=sessions[i], update_id=uuid.uuid4().hex[:12],
+                                base_version=version, round=tasks[i].round,
+                                num_examples=10 + i, codec=codec, payload_bytes=len(payload)),
+                   payload)
+        # reverse start order so that arrivals are out of cohort order
+        threads = [threading.Thread(target=push, args=(i,)) for i in reversed(range(clients))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        wait_until(lambda v=version: t.pull(sessions[0])[0] == v + 1, what="the next version")
+    params = t.pull(sessions[0])[1]
+    t.close()
+    return params
+
+
+@pytest.mark.slow
+def test_sync_fedavg_is_bit_identical_with_0_1_2_and_4_workers(serve) -> None:
+    models = {w: run_sync(serve, workers=w) for w in (0, 1, 2, 4)}
+    for w in (1, 2, 4):
+        assert np.array_equal(models[w], models[0]), f"{w} workers differ from in-process"
+    assert np.abs(models[0]).sum() > 0
+
+
+def test_topk_and_exact_accumulation_through_workers_match_in_process(serve) -> None:
+    opts = {"ratio": "0.05"}
+    inline = run_sync(serve, workers=0, codec="topk", options=opts, accumulator="exact",
+                      versions=2)
+    workers = run_sync(serve, workers=2, codec="topk", options=opts, accumulator="exact",
+                       versions=2)
+    assert np.array_equal(inline, workers)
+
+
+def _core(**cfg) -> AggregatorCore:
+    cfg.setdefault("min_clients", 1)
+    return AggregatorCore(ServerConfig(**cfg), vector_spec(), np.zeros(SIZE, np.float32))
+
+
+def _push(t: GrpcTransport, session: str, version: int = 0, value: float = 1.0,
+          update_id: str | None = None) -> object:
+    payload = np.full(SIZE, value, "<f4").tobytes()
+    return t.push(UpdateHeader(session=session, update_id=update_id or uuid.uuid4().hex[:12],
+                               base_version=version, round=0, num_examples=1,
+                               codec="dense-f32", payload_bytes=len(payload)), payload)
+
+
+def test_idle_workers_stop_and_the_pool_scales_from_zero(serve) -> None:
+    srv = serve(_core(mode="async", buffer_size=1, max_versions=100, max_workers=2,
+                      worker_idle_s=0.3))
+    tier = srv.server.tier
+    assert srv.call(lambda: tier.stats()["workers"]) == 0  # nothing runs before work arrives
+    t = GrpcTransport(srv.address, timeout_s=30)
+    s = t.join("a", DeviceProfile())[0].session
+    _push(t, s)
+    stats = srv.call(tier.stats)
+    assert stats["cold_starts"] >= 1 and stats["decoded"] == 1
+    wait_until(lambda: srv.call(lambda: tier.stats()["workers"]) == 0, what="idle workers to stop")
+    _push(t, s, version=1)  # a new cold start after scaling to zero
+    assert srv.call(lambda: tier.stats()["cold_starts"]) >= 2
+    assert t.pull(s)[0] == 2
+    t.close()
+
+
+def test_back_pressure_refuses_with_a_retry_hint_and_the_runtime_backs_off(serve) -> None:
+    srv = serve(_core(mode="async", buffer_size=1, max_versions=1, slab_mb=1.0))
+    tier = srv.server.tier
+    hog = srv.call(lambda: tier.slabs.acquire(1 << 20))  # every byte of shared memory is taken
+    assert hog is not None
+    t = GrpcTransport(srv.address, timeout_s=30)
+    s = t.join("probe", DeviceProfile())[0].session
+    with pytest.raises(RemoteError) as err:
+        _push(t, s)
+    assert err.value.status == "RESOURCE_EXHAUSTED" and err.value.retry_after_s is not None
+    assert err.value.retryable and "busy" in err.value.message
+    assert srv.call(lambda: srv.core.traffic.updates) == 0
+    t.close()
+
+    # A runtime keeps retrying its push while the aggregator is busy; once memory frees up the
+    # update is taken, exactly once.
+    model = torch_linear()
+    trainer = FunctionTrainer(model, lambda m, settings, seed: {"num_examples": 3})
+    runtime = ClientRuntime(GrpcTransport(srv.address, timeout_s=30), trainer, client_id="c",
+                            retry=RetryPolicy(initial_s=0.05, max_s=0.2, give_up_after_s=60))
+    worker = threading.Thread(target=runtime.run)
+    worker.start()
+    wait_until(lambda: runtime.stats.retries >= 2, what="the runtime to retry")
+    srv.call(lambda: tier.slabs.release(hog))
+    worker.join(timeout=60)
+    assert runtime.stats.pushed == 1 and runtime.stats.refused == 0
+    assert srv.call(lambda: (srv.core.version, srv.core.traffic.updates)) == (1, 1)
+
+
+def torch_linear():  # noqa: ANN201 - a module whose spec is vector_spec()
+    import torch
+
+    class Vec(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(SIZE))
+
+    return Vec()
+
+
+def test_join_and_get_task_answer_while_a_version_is_being_published(serve) -> None:
+    gate, started = threading.Event(), threading.Event()
+
+    def slow_evaluator(params: np.ndarray) -> dict[str, float]:
+        started.set()
+        gate.wait(30)
+        return {"accuracy": 0.5}
+
+    cfg = ServerConfig(min_clients=1, mode="async", buffer_size=1, max_versions=5)
+    srv = serve(AggregatorCore(cfg, vector_spec(), np.zeros(SIZE, np.float32),
+                               evaluator=slow_evaluator))
+    t = GrpcTransport(srv.address, timeout_s=30)
+    s = t.join("a", DeviceProfile())[0].session
+    pusher = threading.Thread(target=_push, args=(t, s))
+    pusher.start()
+    assert started.wait(20)  # the publisher is inside evaluation now
+    probe = GrpcTransport(srv.address, timeout_s=5)
+    b = probe.join("b", DeviceProfile())[0].session
+    assert probe.task(b, 0).action.name == "TRAIN"
+    assert probe.pull(b)[0] == 0  # the old version is served until the new one is out
+    assert pusher.is_alive()  # the push that completes the version waits for it
+    gate.set()
+    pusher.join(30)
+    assert probe.pull(b)[0] == 1
+    probe.close()
+    t.close()
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_decode_is_replaced_and_the_update_counted_once(serve) -> None:
+    """Seed replay of many steps keeps a worker busy long enough to kill it mid-job."""
+    settings = TaskSettings(trainer="zo", codec="seed")
+    cfg = ServerConfig(min_clients=1, mode="async", buffer_size=1, max_versions=2,
+                       max_workers=1, train=settings)
+    size = 400_000
+    spec = ModelSpec((TensorSpec("w", (size,)),))
+    srv = serve(AggregatorCore(cfg, spec, np.zeros(size, np.float32)))
+    import torch
+
+    codec = create_codec("seed", {})
+    enc = codec.encoder(size, seed=1)
+    theta = torch.zeros(size)
+    rng = np.random.default_rng(0)
+    for _ in range(600):
+        enc.step(theta, seed=enc.next_seed(), g=float(rng.standard_normal()), lr=1e-3)
+    payload = enc.encode(np.zeros(size, np.float32))
+    t = GrpcTransport(srv.address, timeout_s=120)
+    s = t.join("a", DeviceProfile())[0].session
+    header = UpdateHeader(session=s, update_id="kill-me-0001", base_version=0, round=0,
+                          num_examples=1, codec="seed", payload_bytes=len(payload))
+    result: list[object] = []
+    pusher = threading.Thread(target=lambda: result.append(t.push(header, payload)))
+    pusher.start()
+    backend = srv.server.tier.backend
+    wait_until(lambda: srv.call(lambda: backend.stats()["busy"]) == 1, what="a busy worker")
+    pids = srv.call(backend.worker_pids)
+    os.kill(pids[0], signal.SIGKILL)
+    pusher.join(120)
+    assert result and not result[0].duplicate
+    stats = srv.call(backend.stats)
+    assert stats["crashes"] == 1 and stats["retries"] == 1
+    assert srv.call(lambda: (srv.core.version, srv.core.traffic.updates)) == (1, 1)
+    again = t.push(header, payload)  # a retry of the same update is answered, not re-counted
+    assert again.duplicate and srv.call(lambda: srv.core.traffic.updates) == 1
+    t.close()
