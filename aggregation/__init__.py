@@ -23,6 +23,7 @@ from murmura.aggregation.optimizers import (
     available_optimizers,
     create_optimizer,
 )
+from murmura.aggregation.partial import ExactSum, Partial
 from murmura.aggregation.robust import (
     AdaptiveClipping,
     CenteredClipping,
@@ -54,6 +55,7 @@ __all__ = [
     "Aggregator",
     "BufferedAggregator",
     "Constant",
+    "ExactSum",
     "FedAdam",
     "FedAvgM",
     "FedAvgOpt",
@@ -61,6 +63,7 @@ __all__ = [
     "FedYogi",
     "FlatVector",
     "Hinge",
+    "Partial",
     "Polynomial",
     "ServerOptimizer",
     "StaleUpdateError",

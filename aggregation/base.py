@@ -30,6 +30,11 @@ class Aggregator(ABC):
     """
 
     name: ClassVar[str]
+    #: True for a rule whose aggregate can be computed from merged partial aggregates (a
+    #: weighted sum, its total weight and a count), so a hierarchy of aggregators gives the
+    #: flat result; such rules offer ``partial()`` and ``merge()``. Robust and Sybil-resistant
+    #: rules need the whole buffer of updates and stay False.
+    decomposable: ClassVar[bool] = False
 
     def __init__(self, size: int) -> None:
         if size <= 0:

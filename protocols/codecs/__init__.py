@@ -1,7 +1,7 @@
 """Update codecs: the registry and every built-in encoding (importing registers them)."""
 
 # Importing a codec module registers its codecs.
-from murmura.protocols.codecs import dense, proj, quant, seed, sign, topk  # noqa: F401
+from murmura.protocols.codecs import dense, partial, proj, quant, seed, sign, topk  # noqa: F401
 from murmura.protocols.codecs.base import (
     Codec,
     CodecError,
@@ -11,13 +11,23 @@ from murmura.protocols.codecs.base import (
     create_codec,
     register_codec,
 )
+from murmura.protocols.codecs.partial import (
+    PARTIAL_CODEC,
+    PartialPayload,
+    decode_partial,
+    encode_partial,
+)
 
 __all__ = [
+    "PARTIAL_CODEC",
     "Codec",
     "CodecError",
     "Encoder",
+    "PartialPayload",
     "UnknownCodecError",
     "available_codecs",
     "create_codec",
+    "decode_partial",
+    "encode_partial",
     "register_codec",
 ]
