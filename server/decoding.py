@@ -22,14 +22,10 @@ import numpy as np
 from murmura.aggregation import Partial
 from murmura.protocols import CodecError, FlatVector, TaskSettings, UnknownCodecError, create_codec
 from murmura.protocols.codecs import Codec
-from murmura.protocols.codecs.partial import PartialPayload, decode_partial
+from murmura.protocols.codecs.partial import PARTIAL_CODEC, PartialPayload, decode_partial
 from murmura.protocols.codecs.seed import SeedCodec
 from murmura.protocols.pool import seed_pool_for
 from murmura.server.errors import FailedPrecondition, InvalidArgument
-
-#: The codec of a partial aggregate a leaf aggregator pushes to its parent.
-PARTIAL_CODEC = "partial"
-
 
 @dataclass
 class Decoded:
