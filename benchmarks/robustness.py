@@ -3,26 +3,30 @@
 One grid, the same clients, split, seeds and attackers for every cell:
 
 * **task** — digits, the bundled MLP, 20 honest clients with a Dirichlet(0.5) label split
-  (data seed 0). Attackers are *extra* identities joined next to the 20 honest ones, so every
-  scenario keeps the same honest data and the no-attack FedAvg run is a fair baseline.
-* **driver** — the real :class:`~murmura.server.AggregatorCore` (built by ``build_core``),
-  driven in-process: ``core.task`` -> ``core.model`` -> local ``TorchTrainer`` training ->
-  delta -> attack -> dense-f32 payload -> ``core.push(UpdateHeader, payload)``. The simulation
-  engine has no hook for per-client update transforms, hence this driver. In ``sync`` mode all
-  identities train every round. In ``async`` mode (FedBuff, ``buffer_size`` updates per
-  version) identities push in a seeded random order; each one pulls the then-current model
-  after pushing, so its next update arrives with the staleness of however many versions were
-  published meanwhile. Async runs take as many updates in total as sync runs.
-* **attacks** (``client/attacks.py``; the attacked class pair is 1 -> 7):
-  ``label-flip`` (attackers train on data half of which is 1s relabelled 7), ``sign-flip``
-  (-3 x own honest update), ``noise`` (Gaussian in place of the update, 5 x its norm),
-  ``boost`` (label-flip update scaled by 5 = honest/attackers), ``sybil`` (k identities
-  sending one label-flip-trained update, each with 5 % jitter, ``sybil_clones``), ``alie``
-  (mean - z std of the honest updates of the same round, Baruch et al.'s z) and ``ipm``
-  (-5 x the honest mean). Byzantine attackers are 20 % of identities (5 next to 20 honest);
-  Sybils 10 / 30 / 50 % (2, 9, 20 clones). Attackers claim the honest mean example count.
-  ALIE / IPM attackers see the honest updates of the round (async: the honest updates in
-  flight).
+  (data seed 0). Attackers are *extra* identities (clients 20 onwards) next to the 20 honest
+  ones, so every scenario keeps the same honest data and the no-attack FedAvg run is a fair
+  baseline.
+* **driver** — every cell is a :class:`~murmura.simulation.Simulation`: the real
+  :class:`~murmura.server.AggregatorCore`, the deployment's ``TorchTrainer`` (the loop
+  executor), codec, update ids and refusal rules, in virtual time. ``sync``: every identity
+  trains every round (equal devices, always online, ``min_clients`` = all, the whole cohort).
+  ``async``: FedBuff (``buffer_size`` updates per version) with device speeds spread
+  ``ASYNC_SPREAD``x, so staleness comes from the event order: a client's update is as stale
+  as the number of versions published while it trained. Async runs take as many updates in
+  total as sync runs.
+* **attacks** (the attacked class pair is 1 -> 7), injected through the engine's hooks:
+  per-client attacks are the :class:`~murmura.client.malicious.Attack` a deployed malicious
+  client runs (``make_attack``): ``label-flip`` (attackers train on data half of which is 1s,
+  relabelled 7 by the attack's data transform), ``sign-flip`` (-3 x own honest update),
+  ``noise`` (Gaussian in place of the update, 5 x its norm) and ``boost`` (label-flip update
+  scaled by 5 = honest/attackers). Harness-level attacks are an ``update_hook`` over each
+  training batch: ``sybil`` (k identities sending one label-flip-trained update per base
+  version, each with 5 % jitter, ``sybil_clones``), ``alie`` (mean - z std of the latest
+  honest updates, Baruch et al.'s z) and ``ipm`` (-5 x their mean). In sync runs the whole
+  cohort trains in one batch, so ALIE / IPM see the round's honest updates; in async runs
+  they see each honest client's latest update (in flight or just pushed). Byzantine attackers
+  are 20 % of identities (5 next to 20 honest); Sybils 10 / 30 / 50 % (2, 9, 20 clones).
+  Attackers hold the honest mean example count, and claim it.
 * **defences** — registry names with their default options: ``fedavg`` (none), ``clip``,
   ``median``, ``trimmed-mean``, ``krum`` (f=1), ``centered-clip``, ``sybil`` and ``default``.
 * **metrics** — clean accuracy on the 359-image test set and attack success (share of test
@@ -52,18 +56,18 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks._report import Column, Report, parse_args, progress, pyplot  # noqa: E402
 from murmura.aggregation import create_aggregator  # noqa: E402
-from murmura.client import TorchTrainer  # noqa: E402
-from murmura.client.attacks import (  # noqa: E402
-    alie,
-    gaussian_noise,
-    ipm,
-    scale_update,
-    sign_flip,
-    sybil_clones,
+from murmura.client.attacks import alie, ipm, sybil_clones  # noqa: E402
+from murmura.client.malicious import Attack, make_attack  # noqa: E402
+from murmura.protocols import ModelSpec, TaskSettings  # noqa: E402
+from murmura.server import ServerConfig  # noqa: E402
+from murmura.simulation import (  # noqa: E402
+    Simulation,
+    SimulationConfig,
+    SimulationData,
+    prepare_server,
 )
-from murmura.protocols import Action, DeviceProfile, TaskSettings, UpdateHeader  # noqa: E402
-from murmura.server import ServerConfig, ServiceError, build_core  # noqa: E402
-from murmura.tasks import ArrayDataset, TaskConfig, load_task  # noqa: E402
+from murmura.simulation.attacks import BatchHook, UpdateBatch  # noqa: E402
+from murmura.tasks import TaskConfig, load_task  # noqa: E402
 
 NAME = "robustness"
 HONEST = 20
@@ -73,6 +77,7 @@ DEFENCES = ["fedavg", "clip", "median", "trimmed-mean", "krum", "centered-clip",
             "default"]
 SETTINGS = TaskSettings(local_epochs=2, batch_size=16, lr=0.1, momentum=0.5)
 SIGN_SCALE, NOISE_MULT, BOOST, IPM_EPS, JITTER = 3.0, 5.0, 5.0, 5.0, 0.05
+ASYNC_SPREAD = 4.0  # async: slowest / fastest device, so staleness comes from the event order
 LAST = 3  # versions averaged for the metrics
 
 
@@ -109,41 +114,36 @@ SCENARIOS = [
 
 
 class Harness:
-    """The task, honest trainers and attacker data, shared by every run in one process."""
+    """The task, the honest split and the attackers' data, shared by every run in a process."""
 
     def __init__(self) -> None:
         torch.set_num_threads(1)
         self.task_config = TaskConfig(task="digits", model="mlp", partition="dirichlet",
                                       alpha=ALPHA, data_seed=0)
         self.task = load_task(self.task_config)
-        self.shares = [self.task.client_data(i, HONEST) for i in range(HONEST)]
+        self.shares = [np.asarray(s, dtype=np.int64) for s in self.task.shares(HONEST)]
         self.mean_n = int(round(np.mean([len(s) for s in self.shares])))
-        self.honest = [TorchTrainer(self.task.build_model(), s, device="cpu")
-                       for s in self.shares]
         self.probe = self.task.build_model()
+        self.spec = ModelSpec.from_module(self.probe)
         test = self.task.test
         self.test_x = torch.from_numpy(test.x)
         self.test_y = test.y
         self.source_mask = test.y == SOURCE
 
-    def attacker_data(self, i: int, flipped: bool) -> ArrayDataset:
-        """Attacker ``i``'s data: half source-class images (relabelled as the target when
-        ``flipped``), half other training images, ``mean_n`` in all."""
+    def attacker_share(self, i: int) -> np.ndarray:
+        """Attacker ``i``'s data, as indices into the training set: half source-class images,
+        half other images, ``mean_n`` in all (so attackers claim the honest mean example
+        count). Label-flipping attackers relabel it through their data attack."""
         train = self.task.train
         rng = np.random.default_rng([7, i])
         src = np.flatnonzero(train.y == SOURCE)
         rest = np.flatnonzero(train.y != SOURCE)
         half = self.mean_n // 2
-        idx = np.concatenate([rng.choice(src, size=min(half, len(src)), replace=False),
-                              rng.choice(rest, size=self.mean_n - half, replace=False)])
-        y = train.y[idx].copy()
-        if flipped:
-            y[y == SOURCE] = TARGET
-        return ArrayDataset(train.x[idx].copy(), y)
+        return np.concatenate([rng.choice(src, size=min(half, len(src)), replace=False),
+                               rng.choice(rest, size=self.mean_n - half, replace=False)])
 
     def metrics(self, params: np.ndarray) -> tuple[float, float]:
-        spec = self.honest[0].spec
-        spec.load_into(self.probe, params)
+        self.spec.load_into(self.probe, params)
         self.probe.eval()
         with torch.no_grad():
             pred = self.probe(self.test_x).argmax(dim=1).numpy()
@@ -162,162 +162,108 @@ def harness() -> Harness:
     return _HARNESS
 
 
-def _payload(delta: np.ndarray) -> bytes:
-    return np.asarray(delta, "<f4").tobytes()
+# -- harness-level attacks: engine update hooks ---------------------------------------------
 
 
-class Run:
-    """One (defence, scenario, mode) cell."""
+class CrowdAttack:
+    """ALIE / IPM: every attacker in a batch sends one vector built from the latest update of
+    each honest client (sync: the round's honest updates, which train in the attackers' batch;
+    async: the honest updates in flight or just pushed)."""
 
-    def __init__(self, defence: str, sc: Scenario, mode: str, rounds: int, buffer: int,
-                 seed: int) -> None:
-        self.h = harness()
-        self.sc, self.mode, self.seed = sc, mode, seed
-        k = sc.attackers
-        self.k = k
-        total = HONEST + k
-        if mode == "sync":
-            versions = rounds
-        else:  # as many updates as the sync run takes
-            versions = max(1, math.ceil(rounds * total / buffer))
-        cfg = ServerConfig(mode=mode, max_versions=versions, min_clients=total,
-                           cohort_fraction=1.0, buffer_size=buffer, max_staleness=50,
-                           defense=defence, seed=seed, train=SETTINGS)
-        self.core = build_core(cfg, self.task_config, out_dir=None, evaluate=False)
-        self.settings = self.core.config.train
-        self.ids = [f"honest-{i:02d}" for i in range(HONEST)] + [f"attacker-{j:02d}"
-                                                                 for j in range(k)]
-        self.sessions = {cid: self.core.join(cid, DeviceProfile()).session for cid in self.ids}
-        flipped = sc.attack in ("label-flip", "boost", "sybil")
-        self.attack_trainers = []
-        if k and sc.attack not in ("alie", "ipm"):
-            n_trainers = 1 if sc.attack == "sybil" else k
-            self.attack_trainers = [TorchTrainer(self.h.task.build_model(),
-                                                 self.h.attacker_data(j, flipped), device="cpu")
-                                    for j in range(n_trainers)]
+    def __init__(self, kind: str, attackers: int) -> None:
+        self.kind, self.attackers = kind, attackers
+        self.latest: dict[int, np.ndarray] = {}
+
+    def __call__(self, batch: UpdateBatch) -> dict[int, np.ndarray] | None:
+        for c, u in zip(batch.clients, batch.updates, strict=True):
+            if c < HONEST:
+                self.latest[c] = u
+        mine = [c for c in batch.clients if c >= HONEST]
+        if not mine or not self.latest:
+            return None
+        honest = np.stack([self.latest[c] for c in sorted(self.latest)])
+        if self.kind == "alie":
+            v = alie(honest, num_clients=HONEST + self.attackers, num_byzantine=self.attackers)
+        else:
+            v = ipm(honest, eps=IPM_EPS)
+        return dict.fromkeys(mine, v)
+
+
+class SybilFlood:
+    """Sybil clones: one label-flip-trained update per base version (the first Sybil's in
+    the batch that trains from it), sent by every Sybil identity with its own 5 % jitter."""
+
+    def __init__(self, seed: int) -> None:
         self.rng = np.random.default_rng([seed, 99])
-        self.sybil_cache: dict[int, np.ndarray] = {}
-        self.history: list[np.ndarray] = []
-        self.uid = 0
+        self.poison: dict[int, np.ndarray] = {}
 
-    @property
-    def task_config(self) -> TaskConfig:
-        return harness().task_config
+    def __call__(self, batch: UpdateBatch) -> dict[int, np.ndarray]:
+        out = {}
+        for c, version, u in zip(batch.clients, batch.versions, batch.updates, strict=True):
+            if c >= HONEST:
+                poison = self.poison.setdefault(version, u)
+                out[c] = sybil_clones(poison, k=1, jitter=JITTER, rng=self.rng)[0]
+        return out
 
-    # -- updates -----------------------------------------------------------------------
 
-    def honest_delta(self, i: int, base: np.ndarray, seed: int) -> np.ndarray:
-        res = self.h.honest[i].train(base, self.settings, seed=seed)
-        return np.subtract(res.params, base, dtype=np.float32)
-
-    def own_delta(self, j: int, base: np.ndarray, seed: int) -> np.ndarray:
-        res = self.attack_trainers[j].train(base, self.settings, seed=seed)
-        return np.subtract(res.params, base, dtype=np.float32)
-
-    def attacker_delta(self, j: int, base: np.ndarray, version: int, seed: int,
-                       honest: list[np.ndarray]) -> np.ndarray:
-        a = self.sc.attack
-        if a == "alie":
-            return alie(np.stack(honest), num_clients=HONEST + self.k, num_byzantine=self.k)
-        if a == "ipm":
-            return ipm(np.stack(honest), eps=IPM_EPS)
-        if a == "sybil":  # one poisoned objective per base version, cloned with jitter
-            if version not in self.sybil_cache:
-                self.sybil_cache = {version: self.own_delta(0, base, seed=self.seed * 1000
-                                                            + version)}
-            return sybil_clones(self.sybil_cache[version], k=1, jitter=JITTER, rng=self.rng)[0]
-        d = self.own_delta(j, base, seed)
-        if a == "label-flip":
-            return d
-        if a == "boost":
-            return scale_update(d, factor=BOOST)
-        if a == "sign-flip":
-            return sign_flip(d, scale=SIGN_SCALE)
-        if a == "noise":
-            std = NOISE_MULT * float(np.linalg.norm(d)) / math.sqrt(d.size)
-            return gaussian_noise(d, std=std, rng=self.rng)
-        raise ValueError(a)
-
-    def push(self, cid: str, delta: np.ndarray, base_version: int, rnd: int) -> None:
-        payload = _payload(delta)
-        self.uid += 1
-        header = UpdateHeader(session=self.sessions[cid], update_id=f"u{self.uid}",
-                              base_version=base_version, round=rnd,
-                              num_examples=self.h.mean_n if cid.startswith("attacker")
-                              else len(self.h.shares[int(cid.split("-")[1])]),
-                              codec="dense-f32", payload_bytes=len(payload))
-        before = self.core.version
-        self.core.push(header, payload, wire_bytes=len(payload))
-        if self.core.version != before:
-            self.history.append(np.array(self.core.params, copy=True))
-
-    # -- modes ---------------------------------------------------------------------------
-
-    def run_sync(self) -> None:
-        core = self.core
-        while not core.done:
-            tasks = {cid: core.task(self.sessions[cid]) for cid in self.ids}
-            if any(t.action != Action.TRAIN for t in tasks.values()):
-                break
-            version, params = core.model(self.sessions[self.ids[0]])
-            base = np.array(params, copy=True)
-            rnd = tasks[self.ids[0]].round
-            honest = [self.honest_delta(i, base, tasks[self.ids[i]].seed) for i in range(HONEST)]
-            deltas = dict(zip(self.ids[:HONEST], honest, strict=True))
-            for j, cid in enumerate(self.ids[HONEST:]):
-                deltas[cid] = self.attacker_delta(j, base, version, tasks[cid].seed, honest)
-            for cid in self.ids:
-                self.push(cid, deltas[cid], version, rnd)
-
-    def run_async(self) -> None:
-        core = self.core
-        # in flight: cid -> (base version, base params, delta or None for ALIE/IPM, seed)
-        flight: dict[str, tuple[int, np.ndarray, np.ndarray | None, int]] = {}
-
-        def pull(cid: str) -> bool:
-            t = core.task(self.sessions[cid])
-            if t.action != Action.TRAIN:
-                return False
-            version, params = core.model(self.sessions[cid])
-            base = np.array(params, copy=True)
-            if cid.startswith("honest"):
-                delta = self.honest_delta(int(cid.split("-")[1]), base, t.seed)
-            elif self.sc.attack in ("alie", "ipm"):
-                delta = None  # built at push time from the honest updates in flight
-            else:
-                delta = self.attacker_delta(int(cid.split("-")[1]), base, version, t.seed, [])
-            flight[cid] = (version, base, delta, t.seed)
-            return True
-
-        for cid in self.rng.permutation(self.ids):
-            pull(str(cid))
-        while not core.done:
-            cid = str(self.rng.choice(self.ids))
-            version, base, delta, seed = flight[cid]
-            if delta is None:
-                honest = [flight[h][2] for h in self.ids[:HONEST]]
-                delta = self.attacker_delta(0, base, version, seed, honest)
-            try:
-                self.push(cid, delta, version, 0)
-            except ServiceError:  # too stale: train again on the current model
-                pass
-            if not core.done and not pull(cid):
-                break
-
-    def run(self) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        self.run_sync() if self.mode == "sync" else self.run_async()
-        last = self.history[-LAST:]
-        m = np.array([self.h.metrics(p) for p in last])
-        return {"accuracy": float(m[:, 0].mean()), "success": float(m[:, 1].mean()),
-                "versions": self.core.version, "seconds": time.perf_counter() - t0}
+def scenario_attacks(sc: Scenario, seed: int) -> tuple[dict[int, Attack], BatchHook | None]:
+    """The per-client attacks (what a deployed malicious client runs, ``make_attack``) and the
+    harness hook of one scenario; attackers are clients ``HONEST`` onwards."""
+    attackers = range(HONEST, HONEST + sc.attackers)
+    flip = make_attack("label-flip", {"source": str(SOURCE), "target": str(TARGET)})
+    if sc.attack in ("none", "alie", "ipm"):
+        hook = CrowdAttack(sc.attack, sc.attackers) if sc.attackers else None
+        return {}, hook
+    if sc.attack in ("label-flip", "sybil"):
+        return dict.fromkeys(attackers, flip), SybilFlood(seed) if sc.attack == "sybil" else None
+    if sc.attack == "boost":
+        boost = Attack(data=flip.data, update=make_attack("scale", {"factor": str(BOOST)}).update)
+        return dict.fromkeys(attackers, boost), None
+    if sc.attack == "sign-flip":
+        return dict.fromkeys(attackers, make_attack("sign-flip", {"scale": str(SIGN_SCALE)})), None
+    if sc.attack == "noise":
+        return {c: make_attack("noise", {"std": str(NOISE_MULT), "relative": "1"},
+                               seed=seed * 1000 + c) for c in attackers}, None
+    raise ValueError(f"unknown scenario attack {sc.attack!r}")
 
 
 def run_cell(args: tuple[str, Scenario, str, int, int, int]) -> dict[str, Any]:
+    """One (defence, scenario, mode, seed) cell: a :class:`Simulation` of the honest clients
+    and the attackers, with the attacks injected through the engine's hooks."""
     defence, sc, mode, rounds, buffer, seed = args
-    out = Run(defence, sc, mode, rounds, buffer, seed).run()
+    t0 = time.perf_counter()
+    h = harness()
+    k = sc.attackers
+    total = HONEST + k
+    if mode == "sync":
+        versions = rounds
+    else:  # as many updates as the sync run takes
+        versions = max(1, math.ceil(rounds * total / buffer))
+    sim = SimulationConfig(clients=total, speed_spread=1.0 if mode == "sync" else ASYNC_SPREAD,
+                           availability="always", vectorise="off", workers=1, threads=1)
+    server = prepare_server(ServerConfig(
+        mode=mode, max_versions=versions, min_clients=total, cohort_fraction=1.0,
+        buffer_size=buffer, max_staleness=50, defense=defence, seed=seed, train=SETTINGS), sim)
+    shares = h.shares + [h.attacker_share(0 if sc.attack == "sybil" else j) for j in range(k)]
+    data = SimulationData(h.task, shares, f"{h.task_config.task} (bundled) + {k} attackers")
+    attacks, hook = scenario_attacks(sc, seed)
+    history: list[np.ndarray] = []
+    engine: Simulation | None = None
+
+    def on_version(_: dict[str, Any]) -> None:
+        assert engine is not None
+        history.append(engine.core.params.copy())
+
+    engine = Simulation(h.task_config, server, sim, data=data, out_dir=None, evaluate=False,
+                        progress=on_version, attacks=attacks, update_hook=hook)
+    result = engine.run()
+    m = np.array([h.metrics(p) for p in history[-LAST:]])
     return {"defence": defence, "attack": sc.attack, "share": sc.share, "scenario": sc.label,
-            "targeted": sc.targeted, "attackers": sc.attackers, "mode": mode, **out}
+            "targeted": sc.targeted, "attackers": k, "mode": mode,
+            "accuracy": float(m[:, 0].mean()), "success": float(m[:, 1].mean()),
+            "versions": result.version, "seconds": time.perf_counter() - t0,
+            "staleness": {str(s): n for s, n in sorted(result.staleness.items())},
+            "refused": result.summary["simulation"]["refused"]}
 
 
 # -- aggregation cost ----------------------------------------------------------------------
@@ -400,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": list(seeds), "settings": repr(SETTINGS), "defences": DEFENCES,
         "scenarios": [s.label for s in SCENARIOS], "source": SOURCE, "target": TARGET,
         "sign_scale": SIGN_SCALE, "noise_mult": NOISE_MULT, "boost": BOOST, "ipm_eps": IPM_EPS,
-        "sybil_jitter": JITTER, "aggregation_updates": agg_n, "aggregation_params": agg_p})
+        "sybil_jitter": JITTER, "async_speed_spread": ASYNC_SPREAD,
+        "aggregation_updates": agg_n, "aggregation_params": agg_p})
     cells = [(d, s, m, rounds, buffer, seed) for seed in seeds for m in modes
              for s in SCENARIOS for d in DEFENCES]
     progress(f"{len(cells)} runs on {args.workers} workers, {rounds} rounds each")
@@ -434,10 +381,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{HONEST} honest clients (digits, Dirichlet {ALPHA}, data seed 0) plus the attackers "
         f"as extra identities; local training: {SETTINGS.local_epochs} epochs, batch "
         f"{SETTINGS.batch_size}, lr {SETTINGS.lr}, momentum {SETTINGS.momentum}. Sync: "
-        f"{rounds} rounds of all identities. Async: FedBuff, buffer {buffer}, the same number "
-        "of updates in total, identities arriving in a seeded random order (staleness = "
-        "versions published while an identity trained). Every cell drives the real "
-        "`AggregatorCore` in-process. Accuracy and attack success (test 1s classified as 7) "
+        f"{rounds} rounds of all identities (equal devices). Async: FedBuff, buffer {buffer}, "
+        f"the same number of updates in total, device speeds spread {ASYNC_SPREAD:g}x "
+        "(staleness = versions published while an identity trained). Every cell is a "
+        "`Simulation` (the real `AggregatorCore`, `TorchTrainer`, codec and client rules, in "
+        "virtual time); attacks go through its hooks: per-client `Attack`s from `make_attack`, "
+        "a batch hook for Sybil floods, ALIE and IPM. Accuracy and attack success (test 1s "
+        "classified as 7) "
         f"are means over the last {LAST} versions and over seeds {list(seeds)} (server, "
         "training and attacker seeds; the data split is fixed), in %; the test set "
         f"has {len(harness().test_y)} images (one accuracy point = "
@@ -512,9 +462,23 @@ def main(argv: list[str] | None = None) -> int:
         "updates) than the no-attack run. A defence that discards the attackers then applies "
         "the honest updates in smaller batches, i.e. more server steps, which on this "
         "not-yet-converged model can *raise* accuracy above the no-attack baseline (negative "
-        "costs in the targets). Sybil clones in async train from whatever version they pulled, "
-        "so clones of different versions differ by more than their 5 % jitter.",
+        "costs in the targets). Device speeds are drawn per identity (server seed), so a fast "
+        "attacker pushes more often than a slow one. Sybil clones in async train from whatever "
+        "version they pulled, so clones of different versions differ by more than their 5 % "
+        "jitter.",
         after_tables=True)
+    hist: dict[int, int] = {}
+    for r in per_seed:
+        if r["mode"] == "async" and r["scenario"] == "no attack" and r["defence"] == "fedavg":
+            for k, v in r["staleness"].items():
+                hist[int(k)] = hist.get(int(k), 0) + v
+    if hist:
+        n = sum(hist.values())
+        report.note(
+            f"Async staleness of the accepted updates (no attack, FedAvg, {n} updates): mean "
+            f"{sum(k * v for k, v in hist.items()) / n:.2f}, max {max(hist)} versions; "
+            + ", ".join(f"{k}: {v}" for k, v in sorted(hist.items())) + ".",
+            after_tables=True)
     plot(report, results, modes)
     report.params["runs"] = per_seed
     return report.finish(save=not args.no_save)

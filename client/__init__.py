@@ -1,6 +1,13 @@
 """The client runtime: trainers, the transport to the aggregator, and the retrying loop."""
 
 from murmura.client.config import ClientConfig
+from murmura.client.rules import (
+    UpdateIds,
+    after_refusal,
+    codec_choice,
+    encoder_seed,
+    make_encoder,
+)
 from murmura.client.runtime import ClientRuntime, ClientStats, RetryPolicy
 from murmura.client.trainer import FunctionTrainer, TorchTrainer, Trainer, TrainResult, delta_of
 from murmura.client.transport import GrpcTransport, RemoteError, Transport
@@ -19,7 +26,12 @@ __all__ = [
     "Trainer",
     "SettingsTrainer",
     "Transport",
+    "UpdateIds",
     "ZOTrainer",
+    "after_refusal",
+    "codec_choice",
     "delta_of",
+    "encoder_seed",
+    "make_encoder",
     "make_trainer",
 ]

@@ -1,9 +1,12 @@
 """Opt-in malicious behaviour for a real client, for integration tests and red-team runs.
 
 A malicious client runs the normal runtime and poisons either its data (targeted label
-flipping) or its update just before encoding (sign flipping, boosting, noise). Attacks that need
-the honest clients' updates (ALIE, IPM) or many identities (Sybil clones) live in the simulation
-harness, which sees every client; they use the same functions from :mod:`murmura.client.attacks`.
+flipping) or its update just before encoding (sign flipping, boosting, noise). The simulator
+takes the same :class:`Attack` per virtual client (``Simulation(attacks=...)``), so a simulated
+attacker poisons exactly as a deployed one. Attacks that need the honest clients' updates
+(ALIE, IPM) or many identities (Sybil clones) live in the simulation harness, which sees every
+client (``Simulation(update_hook=...)``); they use the functions of
+:mod:`murmura.client.attacks`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ class Attack:
 
 def make_attack(name: str, options: dict[str, str] | None = None, *, seed: int = 0) -> Attack:
     """``label-flip`` (source, target), ``sign-flip`` (scale), ``scale`` (factor),
-    ``noise`` (std); an empty name is an honest client."""
+    ``noise`` (std, relative); an empty name is an honest client.
+
+    ``noise`` sends N(0, std^2) noise in place of the update; with ``relative=1`` the std is a
+    multiple of the update's root mean square, so the noise has about ``std`` times the
+    update's norm whatever the model's scale.
+    """
     opts = dict(options or {})
 
     def number(key: str, default: float) -> float:
@@ -55,8 +63,16 @@ def make_attack(name: str, options: dict[str, str] | None = None, *, seed: int =
         attack = Attack(update=lambda u: attacks.scale_update(u, factor=factor))
     elif name == "noise":
         std = number("std", 1.0)
+        relative = number("relative", 0.0)
+        if relative not in (0.0, 1.0):
+            raise ValueError(f"attack 'noise': option relative must be 0 or 1, got {relative:g}")
         rng = np.random.default_rng(seed)
-        attack = Attack(update=lambda u: attacks.gaussian_noise(u, std=std, rng=rng))
+
+        def noise(u: FlatVector) -> FlatVector:
+            scale = float(np.sqrt(np.mean(np.square(u, dtype=np.float64)))) if relative else 1.0
+            return attacks.gaussian_noise(u, std=std * scale, rng=rng)
+
+        attack = Attack(update=noise)
     if opts:
         raise ValueError(f"attack {name!r}: unknown option(s) {sorted(opts)}")
     return attack

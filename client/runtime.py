@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import logging
 import random
-import secrets
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
 
+from murmura.client.rules import UpdateIds, after_refusal, codec_choice, make_encoder
 from murmura.client.trainer import Trainer, delta_of
 from murmura.client.transport import RemoteError, Transport
 from murmura.protocols import (
@@ -28,7 +27,6 @@ from murmura.protocols import (
     ModelSpec,
     TaskSettings,
     UpdateHeader,
-    create_codec,
 )
 from murmura.protocols.codecs.seed import SeedPool, pool_model
 from murmura.protocols.pool import seed_pool_for
@@ -69,14 +67,20 @@ class ClientStats:
 
 
 class ClientRuntime:
-    """Drives one client identity against an aggregator through a :class:`Transport`."""
+    """Drives one client identity against an aggregator through a :class:`Transport`.
+
+    The codec choice, the encoder's seed, update ids and what to do on a refusal follow
+    :mod:`murmura.client.rules`, which the simulator's engine follows too. Update ids are
+    random unless ``update_ids`` is a seeded :class:`~murmura.client.rules.UpdateIds`.
+    """
 
     def __init__(self, transport: Transport, trainer: Trainer, *, client_id: str,
                  profile: DeviceProfile | None = None, token: str = "", codec: str = "",
                  retry: RetryPolicy | None = None, wait_s: float = 10.0,
                  sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.monotonic,
-                 update_hook: UpdateHook | None = None) -> None:
+                 update_hook: UpdateHook | None = None,
+                 update_ids: UpdateIds | None = None) -> None:
         self.transport = transport
         self.trainer = trainer
         self.client_id = client_id
@@ -88,6 +92,7 @@ class ClientRuntime:
         self.sleep = sleep
         self.clock = clock
         self.update_hook = update_hook
+        self.update_ids = update_ids or UpdateIds()
         self.stats = ClientStats()
         self.session = ""
         self.settings: TaskSettings | None = None
@@ -109,11 +114,9 @@ class ClientRuntime:
         self.session, self.settings, self.spec = result.session, result.settings, spec
         self._pool = seed_pool_for(result.settings)
         if first or self._encoder is None:
-            name = self.codec_name or result.settings.codec
-            options = result.settings.codec_options if name == result.settings.codec else {}
-            seed = int.from_bytes(uuid.uuid5(uuid.NAMESPACE_OID, self.client_id).bytes[:4], "big")
-            self._encoder = create_codec(name, options).encoder(spec.size, seed=seed)
-            self.codec_name = name
+            self._encoder = make_encoder(result.settings, spec.size, self.client_id,
+                                         self.codec_name)
+            self.codec_name = codec_choice(result.settings, self.codec_name)[0]
         log.info("%s joined (%s mode, codec %s)", self.client_id, result.mode, self.codec_name)
 
     def _call(self, fn: Callable[[], T]) -> T:
@@ -123,14 +126,15 @@ class ClientRuntime:
             try:
                 return fn()
             except RemoteError as exc:
-                if exc.status == "UNAUTHENTICATED" and self.session:
+                action = after_refusal(exc.status)
+                if action == "rejoin" and self.session:
                     log.info("%s: session lost (%s); joining again", self.client_id, exc.message)
                     self.stats.rejoins += 1
                     self.session = ""
                     fn_join: Callable[[], None] = self._join
                     self._call(fn_join)
                     continue
-                if not exc.retryable or self.clock() - started > self.retry.give_up_after_s:
+                if action != "retry" or self.clock() - started > self.retry.give_up_after_s:
                     raise
                 self.stats.retries += 1
                 pause = delay * (1 + self.retry.jitter * (2 * self._rand.random() - 1))
@@ -203,8 +207,7 @@ class ClientRuntime:
             if self.update_hook is not None:
                 update = self.update_hook(update)
             codec, payload = self.codec_name, self._encoder.encode(update)
-        # 72 random bits: unique per client for any realistic number of pushes, 12 characters
-        update_id = secrets.token_urlsafe(9)
+        update_id = self.update_ids()  # kept by every retry of this push: counted once
         metrics = dict(result.metrics)
 
         def push() -> object:
@@ -218,8 +221,9 @@ class ClientRuntime:
         try:
             reply = self._call(push)
         except RemoteError as exc:
-            if exc.retryable:
-                raise
+            if after_refusal(exc.status) == "retry":
+                raise  # _call retried until the policy gave up
+            # next_task (a session lost and not regained lands here too, as before)
             self.stats.refused += 1
             self.stats.refusals.append(exc.status)
             log.warning("%s: update refused: %s", self.client_id, exc)

@@ -2,6 +2,7 @@
 aggregator core, codecs and trainers (vectorised with torch.func where the model allows)."""
 
 from murmura.simulation.api import prepare_server, simulate
+from murmura.simulation.attacks import BatchHook, UpdateBatch
 from murmura.simulation.cli import simulate_file
 from murmura.simulation.clock import EventQueue, VirtualClock
 from murmura.simulation.config import SimulationConfig
@@ -37,6 +38,7 @@ from murmura.simulation.wire import ModelWire, update_header_bytes, update_wire_
 __all__ = [
     "AlwaysOn",
     "Availability",
+    "BatchHook",
     "Churn",
     "DevicePopulation",
     "EventQueue",
@@ -53,6 +55,7 @@ __all__ = [
     "SimulationData",
     "SimulationResult",
     "TraceAvailability",
+    "UpdateBatch",
     "VectorisationError",
     "VectorisedExecutor",
     "VirtualClock",

@@ -11,7 +11,16 @@ happen on its device and link:
 * training takes ``steps x seconds-per-step`` of the client's device;
 * an unanswered task request is a long poll: the server holds it until its answer changes (a
   round opens, the run ends), as the gRPC servicer does;
-* going offline loses the work in progress; coming back online joins again.
+* going offline loses the work in progress; coming back online joins again;
+* a refused request is handled as :class:`~murmura.client.ClientRuntime` handles it
+  (:func:`~murmura.client.rules.after_refusal`): re-join and send it again, retry it after
+  the retry policy's backoff (without jitter, so reruns are identical), or drop the work and
+  ask for the next task.
+
+Encoders, update ids and refusals follow :mod:`murmura.client.rules`, as the client runtime
+does. Malicious clients run the attacks a deployed malicious client runs
+(``attacks={index: Attack}``), and harness-level attacks (ALIE, IPM, Sybil floods) replace
+updates through ``update_hook`` (see :mod:`murmura.simulation.attacks`).
 
 At each server-side event the engine calls the same :class:`~murmura.server.AggregatorCore`
 methods the gRPC servicer calls (``join``, ``task``, ``model``, ``precheck`` + ``push``,
@@ -32,10 +41,9 @@ import dataclasses
 import logging
 import math
 import time
-import uuid
 from array import array
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +51,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from murmura.client import delta_of
+from murmura.client import RetryPolicy, delta_of
+from murmura.client.malicious import Attack
+from murmura.client.rules import UpdateIds, after_refusal, codec_choice, make_encoder
 from murmura.protocols import (
     Action,
     DeviceProfile,
@@ -60,6 +70,13 @@ from murmura.server import (
     ServiceError,
     build_core,
 )
+from murmura.simulation.attacks import (
+    BatchHook,
+    UpdateBatch,
+    check_attacks,
+    check_update,
+    poison_data,
+)
 from murmura.simulation.clock import EventQueue, VirtualClock
 from murmura.simulation.config import SimulationConfig
 from murmura.simulation.data import SimulationData, load_simulation_data
@@ -73,6 +90,7 @@ from murmura.simulation.devices import (
 from murmura.simulation.execution import (
     Executor,
     Job,
+    JobResult,
     LoopExecutor,
     PoolExecutor,
     default_workers,
@@ -138,18 +156,35 @@ class Simulation:
 
     Build it, then :meth:`run` (or :meth:`advance` step by step and :meth:`finish`).
     ``out_dir`` defaults to ``sim.out``; pass ``None`` to write nothing.
+
+    ``attacks`` makes clients malicious, keyed by client index, with the
+    :class:`~murmura.client.malicious.Attack` a deployed malicious client runs: its data
+    transform poisons the client's share, its update transform each update before encoding.
+    ``update_hook(batch)`` sees every training batch (an
+    :class:`~murmura.simulation.attacks.UpdateBatch`) after those transforms and returns the
+    updates it replaces, for attacks that need more than one client. ``retry`` is the clients'
+    :class:`~murmura.client.RetryPolicy` for retryable refusals.
     """
 
     def __init__(self, task: TaskConfig, server: ServerConfig, sim: SimulationConfig, *,
                  data: SimulationData | None = None, executor: Executor | None = None,
                  out_dir: str | Path | None | bool = True, evaluate: bool = True,
-                 progress: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 progress: Callable[[dict[str, Any]], None] | None = None,
+                 attacks: Mapping[int, Attack] | None = None,
+                 update_hook: BatchHook | None = None,
+                 retry: RetryPolicy | None = None) -> None:
         self.task_config, self.server_config, self.sim = task, server, sim
         self.data = data if data is not None else load_simulation_data(task, sim)
         n = sim.clients
         if len(self.data.shares) != n:
             raise ValueError(f"the data is split for {len(self.data.shares)} clients, the "
                              f"simulation has {n}")
+        self.attacks = check_attacks(attacks, n)
+        self.data = poison_data(self.data, self.attacks)
+        self._update_attacks = {c: a.update for c, a in self.attacks.items()
+                                if a.update is not None}
+        self.update_hook = update_hook
+        self.retry = retry or RetryPolicy()
         self.out_dir = Path(sim.out) if out_dir is True else (Path(out_dir) if out_dir else None)
         self.progress = progress
         self.clock = VirtualClock()
@@ -177,16 +212,21 @@ class Simulation:
         self.waiting: dict[int, None] = {}
         self._pending: list[int] = []
         self._encoders: dict[int, Encoder] = {}
-        codec = create_codec(self.settings.codec, self.settings.codec_options)
-        self._codec = codec
-        self._shared_encoder = (codec.encoder(self.spec.size)
+        create_codec(*codec_choice(self.settings))  # an unknown codec or option fails now
+        # a dense codec draws no randomness and keeps no state: one encoder serves everyone
+        self._shared_encoder = (make_encoder(self.settings, self.spec.size, self.ids[0])
                                 if self.settings.codec in STATELESS_CODECS else None)
         self.model_wire = ModelWire(self.spec)
         self.queue: EventQueue[tuple[int, int, int]] = EventQueue()
         self._ticks: set[float] = set()
         self._sig: tuple[Any, ...] = ()
         self._started = False
-        self._update_seq = 0
+        self._update_ids = UpdateIds(seed=server.seed)  # reproducible, 12 characters
+        # refusal state, touched only after a refusal: resumed request after a re-join,
+        # (first refusal time, attempts) while retrying
+        self._resume: dict[int, int] = {}
+        self._retrying: dict[int, tuple[float, int]] = {}
+        self.gave_up = 0
         self._last_version = self.core.version
         self.rows: list[dict[str, Any]] = []
         # counters
@@ -366,6 +406,9 @@ class Simulation:
         if self.flights.pop(c, None) is not None:
             self.lost += 1
         self.waiting.pop(c, None)
+        if self._resume or self._retrying:
+            self._resume.pop(c, None)
+            self._retrying.pop(c, None)
         if self.sim.dropout == "leave" and self.sessions[c]:
             try:
                 self.core.leave(self.sessions[c])
@@ -382,11 +425,18 @@ class Simulation:
         try:
             result = self.core.join(self.ids[c], profile)
         except ServiceError as exc:
-            self.refused[exc.status] += 1
-            log.warning("%s could not join: %s", self.ids[c], exc)
+            self._refused(c, exc, _JOIN)
             return
         self.sessions[c] = result.session
-        self._schedule(self.clock.now + 2 * self._lat(c), _TASK, c)
+        then = _TASK
+        if self._resume or self._retrying:
+            self._retrying.pop(c, None)
+            then = self._resume.pop(c, _TASK)  # the request the lost session interrupted
+            flight = self.flights.get(c)
+            if then == _PUSH and flight is not None and flight.header is not None:
+                flight.header = dataclasses.replace(flight.header, session=result.session)
+                flight.wire = update_wire_bytes(flight.header)
+        self._schedule(self.clock.now + 2 * self._lat(c), then, c)
 
     def _on_task(self, c: int) -> None:
         self._serve_task(c)
@@ -395,8 +445,10 @@ class Simulation:
         try:
             task = self.core.task(self.sessions[c])
         except ServiceError as exc:
-            self._refused(c, exc)
+            self._refused(c, exc, _TASK)
             return
+        if self._retrying:
+            self._retrying.pop(c, None)
         if task.action == Action.TRAIN:
             self.flights[c] = _Flight(round=task.round, seed=task.seed)
             self._schedule(self.clock.now + 2 * self._lat(c), _PULL, c)
@@ -409,22 +461,53 @@ class Simulation:
                 pass
             self.sessions[c] = ""
 
-    def _refused(self, c: int, exc: ServiceError) -> None:
+    def _refused(self, c: int, exc: ServiceError, kind: int) -> None:
+        """The core refused client ``c``'s request ``kind``: do what the runtime does."""
         self.refused[exc.status] += 1
-        self.flights.pop(c, None)
-        if exc.status == "UNAUTHENTICATED":  # session lost: join again, as the runtime does
+        action = after_refusal(exc.status)
+        now = self.clock.now
+        if action == "retry":
+            first, attempts = self._retrying.get(c, (now, 0))
+            if now - first <= self.retry.give_up_after_s:
+                self._retrying[c] = (first, attempts + 1)
+                pause = min(self.retry.initial_s * self.retry.multiplier ** attempts,
+                            self.retry.max_s)
+                self._schedule(now + pause, kind, c)  # the same request again
+                return
+        elif action == "rejoin" and kind != _JOIN and self.sessions[c]:
             self.sessions[c] = ""
-            self._schedule(self.clock.now + self._lat(c), _JOIN, c)
-        else:
-            self._schedule(self.clock.now + 2 * self._lat(c), _TASK, c)
+            self._resume[c] = kind
+            self._schedule(now + self._lat(c), _JOIN, c)
+            return
+        elif action == "next_task" and kind != _JOIN:
+            self.flights.pop(c, None)
+            self._schedule(now + 2 * self._lat(c), _TASK, c)
+            return
+        # the runtime raises here and the client stops: it could not join, or gave up retrying
+        self._give_up(c, exc)
+
+    def _give_up(self, c: int, exc: ServiceError) -> None:
+        log.warning("%s stops: %s", self.ids[c], exc)
+        self.gave_up += 1
+        self.flights.pop(c, None)
+        self._retrying.pop(c, None)
+        self._resume.pop(c, None)
+        if self.sessions[c]:
+            try:
+                self.core.leave(self.sessions[c])
+            except ServiceError:
+                pass
+            self.sessions[c] = ""
 
     def _on_pull(self, c: int) -> None:
         flight = self.flights[c]
         try:
             version, params = self.core.model(self.sessions[c])
         except ServiceError as exc:
-            self._refused(c, exc)
+            self._refused(c, exc, _PULL)
             return
+        if self._retrying:
+            self._retrying.pop(c, None)
         nbytes = self.model_wire(version)
         self.core.add_download(nbytes)
         flight.version, flight.params = version, params
@@ -437,9 +520,8 @@ class Simulation:
         if flight.payload is None:
             self._train_pending()
         assert flight.payload is not None
-        self._update_seq += 1
         flight.header = UpdateHeader(
-            session=self.sessions[c], update_id=f"{self._update_seq:012x}",  # runtime ids: 12 chars
+            session=self.sessions[c], update_id=self._update_ids(),  # kept by retries
             base_version=flight.version, round=flight.round,
             num_examples=flight.num_examples, codec=self.settings.codec,
             payload_bytes=len(flight.payload), metrics=flight.metrics,
@@ -449,15 +531,18 @@ class Simulation:
         self._schedule(t, _PUSH, c)
 
     def _on_push(self, c: int) -> None:
-        flight = self.flights.pop(c)
+        flight = self.flights[c]
         assert flight.header is not None and flight.payload is not None
         try:
             self.core.precheck(flight.header)  # the servicer refuses on the header alone
             result = self.core.push(flight.header, memoryview(flight.payload),
                                     wire_bytes=flight.wire)
         except ServiceError as exc:
-            self._refused(c, exc)
+            self._refused(c, exc, _PUSH)  # a retry or a re-join keeps the flight
             return
+        del self.flights[c]
+        if self._retrying:
+            self._retrying.pop(c, None)
         if not result.duplicate:
             self.staleness[result.staleness] += 1
         self._schedule(self.clock.now + 2 * self._lat(c), _TASK, c)
@@ -468,9 +553,8 @@ class Simulation:
         if self._shared_encoder is not None:
             return self._shared_encoder
         enc = self._encoders.get(c)
-        if enc is None:  # seeded as ClientRuntime seeds it, from the client id
-            seed = int.from_bytes(uuid.uuid5(uuid.NAMESPACE_OID, self.ids[c]).bytes[:4], "big")
-            enc = self._encoders[c] = self._codec.encoder(self.spec.size, seed=seed)
+        if enc is None:  # made and seeded as ClientRuntime makes it, from the client id
+            enc = self._encoders[c] = make_encoder(self.settings, self.spec.size, self.ids[c])
         return enc
 
     def _train_pending(self) -> None:
@@ -488,6 +572,9 @@ class Simulation:
         self.train_wall_s += time.perf_counter() - t0
         self.batches += 1
         self.batched_jobs += len(jobs)
+        if self._update_attacks or self.update_hook is not None:
+            self._encode_attacked(clients, jobs, results)
+            return
         for c, job, r in zip(clients, jobs, results, strict=True):
             flight = self.flights[c]
             update = delta_of(r.params, job.params)
@@ -496,6 +583,40 @@ class Simulation:
             flight.num_examples = r.num_examples
             flight.metrics = dict(r.metrics)
             flight.params = None  # the global vector is no longer needed by this client
+
+    def _encode_attacked(self, clients: list[int], jobs: list[Job],
+                         results: list[JobResult]) -> None:
+        """:meth:`_train_pending`'s encoding when attacks or a hook are configured: each
+        client's update transform (where the runtime calls its ``update_hook``), then the
+        harness hook on the whole batch, then encoding."""
+        size = self.spec.size
+        updates = [delta_of(r.params, job.params) for job, r in zip(jobs, results, strict=True)]
+        for i, c in enumerate(clients):
+            transform = self._update_attacks.get(c)
+            if transform is not None:
+                updates[i] = check_update(transform(updates[i]), size, c, "the update attack")
+        if self.update_hook is not None:
+            for u in updates:
+                u.flags.writeable = False  # hooks return replacements
+            batch = UpdateBatch(
+                time_s=self.clock.now, clients=tuple(clients),
+                versions=tuple(self.flights[c].version for c in clients),
+                rounds=tuple(self.flights[c].round for c in clients),
+                num_examples=tuple(r.num_examples for r in results),
+                bases=tuple(job.params for job in jobs), updates=tuple(updates))
+            replaced = self.update_hook(batch) or {}
+            position = {c: i for i, c in enumerate(clients)}
+            for c, u in replaced.items():
+                if c not in position:
+                    raise ValueError(f"update_hook replaced the update of client {c!r}, which "
+                                     f"is not in this batch (clients {list(clients)})")
+                updates[position[c]] = check_update(u, size, c, "update_hook")
+        for c, r, update in zip(clients, results, updates, strict=True):
+            flight = self.flights[c]
+            flight.payload = bytearray(self._encoder(c).encode(update))
+            flight.num_examples = r.num_examples
+            flight.metrics = dict(r.metrics)
+            flight.params = None
 
     # -- the end -------------------------------------------------------------------------
 
@@ -525,6 +646,8 @@ class Simulation:
             "mean_batch": self.batched_jobs / self.batches if self.batches else 0.0,
             "lost_to_dropout": self.lost,
             "refused": dict(self.refused),
+            "gave_up": self.gave_up,
+            "attackers": len(self.attacks),
             "staleness_histogram": {str(k): v for k, v in sorted(self.staleness.items())},
             "done": self.core.done,
         }

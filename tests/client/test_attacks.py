@@ -100,3 +100,17 @@ def test_flip_labels_changes_only_the_source_class_and_copies() -> None:
 def test_bad_arguments_are_refused(call, honest) -> None:
     with pytest.raises(ValueError):
         call(honest[0])
+
+
+def test_make_attack_noise_can_scale_with_the_update() -> None:
+    from murmura.client.malicious import make_attack
+
+    attack = make_attack("noise", {"std": "5", "relative": "1"}, seed=0)
+    assert attack.update is not None and attack.data is None
+    u = np.full(10_000, 0.01, np.float32)  # root mean square 0.01
+    assert 0.045 < float(np.std(attack.update(u))) < 0.055
+    absolute = make_attack("noise", {"std": "5"}, seed=0)
+    assert absolute.update is not None
+    assert 4.5 < float(np.std(absolute.update(u))) < 5.5
+    with pytest.raises(ValueError, match="relative must be 0 or 1"):
+        make_attack("noise", {"relative": "2"})
