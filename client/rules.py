@@ -94,8 +94,11 @@ class UpdateIds:
         return base64.urlsafe_b64encode(self._rng.randbytes(_ID_BYTES)).decode("ascii")
 
 
-def after_refusal(status: str) -> RefusalAction:
+def after_refusal(status: str, retry_after_s: float | None = None) -> RefusalAction:
     """What a client does when the aggregator refuses a request with gRPC status ``status``.
+
+    ``retry_after_s`` is the server's hint that the refusal is temporary (back-pressure:
+    RESOURCE_EXHAUSTED while its workers or memory are busy); such a refusal is retried.
 
     * ``"rejoin"``: the session is gone (``UNAUTHENTICATED``: the server restarted, or the
       client had left): join again, then send the same request again with the new session;
@@ -106,6 +109,6 @@ def after_refusal(status: str) -> RefusalAction:
     """
     if status == "UNAUTHENTICATED":
         return "rejoin"
-    if status in RETRYABLE:
+    if status in RETRYABLE or retry_after_s is not None:
         return "retry"
     return "next_task"

@@ -126,7 +126,7 @@ class ClientRuntime:
             try:
                 return fn()
             except RemoteError as exc:
-                action = after_refusal(exc.status)
+                action = after_refusal(exc.status, exc.retry_after_s)
                 if action == "rejoin" and self.session:
                     log.info("%s: session lost (%s); joining again", self.client_id, exc.message)
                     self.stats.rejoins += 1
@@ -221,7 +221,7 @@ class ClientRuntime:
         try:
             reply = self._call(push)
         except RemoteError as exc:
-            if after_refusal(exc.status) == "retry":
+            if after_refusal(exc.status, exc.retry_after_s) == "retry":
                 raise  # _call retried until the policy gave up
             # next_task (a session lost and not regained lands here too, as before)
             self.stats.refused += 1

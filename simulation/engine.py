@@ -464,7 +464,7 @@ class Simulation:
     def _refused(self, c: int, exc: ServiceError, kind: int) -> None:
         """The core refused client ``c``'s request ``kind``: do what the runtime does."""
         self.refused[exc.status] += 1
-        action = after_refusal(exc.status)
+        action = after_refusal(exc.status, exc.retry_after_s)
         now = self.clock.now
         if action == "retry":
             first, attempts = self._retrying.get(c, (now, 0))
