@@ -26,6 +26,7 @@ from murmura.simulation.execution import (
     LoopExecutor,
     PoolExecutor,
 )
+from murmura.simulation.ray_executor import RayExecutor
 from murmura.simulation.transport import InMemoryTransport, LocalAggregator
 from murmura.simulation.vectorised import (
     VectorisationError,
@@ -48,6 +49,7 @@ __all__ = [
     "LoopExecutor",
     "ModelWire",
     "PoolExecutor",
+    "RayExecutor",
     "Simulation",
     "SimulationConfig",
     "SimulationData",
