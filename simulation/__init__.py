@@ -27,6 +27,7 @@ from murmura.simulation.execution import (
     LoopExecutor,
     PoolExecutor,
 )
+from murmura.simulation.ray_executor import RayExecutor
 from murmura.simulation.transport import InMemoryTransport, LocalAggregator
 from murmura.simulation.vectorised import (
     VectorisationError,
@@ -50,6 +51,7 @@ __all__ = [
     "LoopExecutor",
     "ModelWire",
     "PoolExecutor",
+    "RayExecutor",
     "Simulation",
     "SimulationConfig",
     "SimulationData",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 VECTORISE = ("auto", "on", "off")
+EXECUTORS = ("auto", "vmap", "loop", "pool", "ray")
 DROPOUT = ("silent", "leave")
 
 
@@ -27,9 +28,12 @@ class SimulationConfig:
     goes offline loses its current work; with ``dropout='silent'`` it just vanishes (the
     server finds out at the round deadline), with ``'leave'`` it says goodbye first.
 
-    Execution: ``vectorise`` ``auto`` trains clients with ``torch.func.vmap`` when the model
-    allows it (a probe checks), else falls back to a process pool of ``workers`` processes, or
-    a plain loop when ``workers`` is 1. ``on`` insists on vmap, ``off`` never uses it.
+    Execution: ``executor`` ``auto`` lets ``vectorise`` decide: its ``auto`` trains clients
+    with ``torch.func.vmap`` when the model allows it (a probe checks), else falls back to a
+    process pool of ``workers`` processes, or a plain loop when ``workers`` is 1; ``on``
+    insists on vmap, ``off`` never uses it. ``executor`` names a path outright: ``vmap``,
+    ``loop``, ``pool`` (``workers`` processes), or ``ray`` (``workers`` Ray actors, on a local
+    Ray started for the run, or on the cluster at ``ray_address``).
     ``threads`` pins torch's intra-op threads while the simulation runs (default 1: a
     simulated client's tensors are small, and on a small machine OpenMP's synchronisation
     costs more than a second thread gains, 10-20x more when another process holds a core).
@@ -51,8 +55,10 @@ class SimulationConfig:
     mean_offline_s: float = 600.0
     dropout: str = "silent"
     # execution on this machine
+    executor: str = "auto"         # auto (vectorise decides) | vmap | loop | pool | ray
+    ray_address: str = ""          # executor ray: a running cluster ("auto", "HOST:6379", ...)
     vectorise: str = "auto"
-    workers: int = 0               # processes for the non-vectorised path; 0: one per core
+    workers: int = 0               # pool processes or Ray actors; 0: one per core (Ray: CPU)
     chunk_size: int = 1024         # clients per vmapped batch
     threads: int = 1               # torch threads in this process (0: one per core)
     # data (the task's own data unless one of these is set)
@@ -85,6 +91,21 @@ class SimulationConfig:
             raise ValueError(f"dropout must be one of {DROPOUT}, got {self.dropout!r}")
         if self.vectorise not in VECTORISE:
             raise ValueError(f"vectorise must be one of {VECTORISE}, got {self.vectorise!r}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.executor == "vmap" and self.vectorise == "off":
+            raise ValueError("executor='vmap' contradicts vectorise='off'")
+        if self.executor in ("loop", "pool", "ray") and self.vectorise == "on":
+            raise ValueError(f"executor={self.executor!r} contradicts vectorise='on' (vmap)")
+        if self.executor == "pool" and self.workers == 1:
+            raise ValueError("executor='pool' needs workers >= 2 (or 0: one per core); "
+                             "workers=1 is executor='loop'")
+        if self.ray_address and self.executor != "ray":
+            raise ValueError(f"ray_address is only used with executor='ray', got "
+                             f"executor={self.executor!r}")
+        if self.ray_address != self.ray_address.strip() or " " in self.ray_address:
+            raise ValueError(f"ray_address must be an address such as 'auto', 'HOST:6379' or "
+                             f"'ray://HOST:10001', got {self.ray_address!r}")
         if self.workers < 0 or self.threads < 0:
             raise ValueError("workers and threads must be >= 0")
         if self.chunk_size < 1:
@@ -97,4 +118,4 @@ class SimulationConfig:
             raise ValueError(f"max_time_s must be >= 0, got {self.max_time_s}")
 
 
-__all__ = ["DROPOUT", "VECTORISE", "SimulationConfig"]
+__all__ = ["DROPOUT", "EXECUTORS", "VECTORISE", "SimulationConfig"]

@@ -95,6 +95,7 @@ from murmura.simulation.execution import (
     PoolExecutor,
     default_workers,
 )
+from murmura.simulation.ray_executor import RayExecutor
 from murmura.simulation.vectorised import VectorisationError, VectorisedExecutor
 from murmura.simulation.wire import ModelWire, update_wire_bytes
 from murmura.tasks import TaskConfig
@@ -279,14 +280,23 @@ class Simulation:
         s, d = self.sim, self.data
         factory, train, shares = d.task.model_factory, d.train, d.shares
         workers = s.workers or default_workers()
+        if s.executor in ("loop", "pool", "ray"):
+            self.probe_note = f"executor={s.executor!r}"
+            if s.executor == "ray":
+                return RayExecutor(factory, train, shares, address=s.ray_address or None,
+                                   workers=s.workers)
+            if s.executor == "pool":
+                return PoolExecutor(factory, train, shares, workers=workers)
+            return LoopExecutor(factory, train, shares)
         if s.vectorise != "off":
             try:
                 ex = VectorisedExecutor(factory, train, shares, chunk_size=s.chunk_size)
                 self.probe_note = ex.probe(self.settings)
                 return ex
             except VectorisationError as exc:
-                if s.vectorise == "on":
-                    raise ValueError(f"vectorise='on' but the model can't be vectorised: "
+                if s.vectorise == "on" or s.executor == "vmap":
+                    asked = "vectorise='on'" if s.vectorise == "on" else "executor='vmap'"
+                    raise ValueError(f"{asked} but the model can't be vectorised: "
                                      f"{exc}") from exc
                 log.warning("vectorised training is not possible for this model (%s); "
                             "falling back to %s", exc, "a process pool" if workers > 1

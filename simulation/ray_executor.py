@@ -1,0 +1,245 @@
+"""Simulated clients' training on a Ray cluster: the loop executor, spread over Ray actors.
+
+Past one machine the process pool stops scaling; Ray (https://docs.ray.io) places workers on
+every node of a cluster and moves objects between them. :class:`RayExecutor` keeps the
+simulator's contract: each job is trained by the deployment's own
+:class:`~murmura.client.TorchTrainer` (one torch thread per actor), so results are
+bit-identical to :class:`~murmura.simulation.execution.LoopExecutor` for the same (parameters,
+settings, seed).
+
+What travels, and how often:
+
+* **once per executor**: the model factory, the training data and every client's index array,
+  put in the object store once; each actor reads them once when it starts (a node fetches an
+  object once, and numpy arrays are read in place from its shared memory);
+* **once per batch** (one :meth:`RayExecutor.run`): every distinct global vector, put once and
+  passed by reference to every task that trains from it;
+* **per task**: a list of (client, vector number, seed) triples for several clients, so the
+  per-call overhead of Ray is paid once per group of clients, not once per client; back come
+  the trained vectors stacked in one array.
+
+Ray is an optional dependency (``pip install "murmura[ray]"``), imported when an executor is
+built.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from murmura.protocols import FlatVector, TaskSettings
+from murmura.simulation.execution import (
+    Executor,
+    Index,
+    Job,
+    JobResult,
+    LoopExecutor,
+    ModelFactory,
+    default_workers,
+)
+from murmura.tasks import ArrayDataset
+
+log = logging.getLogger(__name__)
+
+MISSING_RAY = 'Ray is not installed: pip install "murmura[ray]"'
+#: Tasks in flight per actor: one running, one queued behind it so the actor never waits on
+#: the driver between tasks.
+IN_FLIGHT_PER_ACTOR = 2
+#: Tasks per actor per batch when ``jobs_per_task`` is automatic: enough to balance actors of
+#: different speeds, few enough that Ray's per-task cost stays small next to training.
+TASKS_PER_ACTOR = 4
+
+Triple = tuple[int, int, int]  # (client, index of its global vector in the task's args, seed)
+
+
+def import_ray() -> Any:
+    """``import ray``, or a :class:`ValueError` that says how to install it."""
+    try:
+        import ray
+    except ImportError as exc:
+        if exc.name == "ray":
+            raise ValueError(MISSING_RAY) from None
+        raise ValueError(f"Ray could not be imported ({exc}); reinstall it: "
+                         'pip install "murmura[ray]"') from exc
+    return ray
+
+
+class _RayWorker:
+    """The body of one Ray actor: a :class:`LoopExecutor` over the shared data."""
+
+    def __init__(self, shared: tuple[ModelFactory, ArrayDataset, Sequence[Index]],
+                 threads: int) -> None:
+        torch.set_num_threads(threads)
+        factory, train, shares = shared
+        self.loop = LoopExecutor(factory, train, shares)
+
+    def ready(self) -> bool:
+        return True
+
+    def train(self, batch: list[Triple], settings: TaskSettings, *vectors: FlatVector
+              ) -> tuple[np.ndarray, list[int], list[dict[str, float]]]:
+        # vectors come read-only from the object store; the trainer wants writable arrays
+        starts = [np.array(v, dtype=np.float32) for v in vectors]
+        results = [self.loop.run_one(Job(client, starts[k], seed), settings)
+                   for client, k, seed in batch]
+        return (np.stack([r.params for r in results]), [r.num_examples for r in results],
+                [r.metrics for r in results])
+
+
+class RayExecutor(Executor):
+    """The loop executor on Ray actors: ``workers`` actors, one CPU and one torch thread each.
+
+    ``address=None`` starts a private local Ray with ``workers`` CPUs (default: one per core)
+    that :meth:`close` shuts down; an address (``"auto"``, ``"HOST:6379"``,
+    ``"ray://HOST:10001"``) connects to a running cluster, and ``workers`` defaults to its CPU
+    count. If this process is already connected to Ray (``ray.init`` was called), that
+    connection is used and left open. Every node must have the same murmura and torch
+    installed as this one.
+
+    ``jobs_per_task`` (0: automatic) is how many clients one Ray task trains.
+    """
+
+    path = "ray"
+
+    def __init__(self, model_factory: ModelFactory, train: ArrayDataset,
+                 shares: Sequence[Index], *, address: str | None = None, workers: int = 0,
+                 jobs_per_task: int = 0, threads_per_worker: int = 1,
+                 start_timeout_s: float = 300.0) -> None:
+        if workers < 0 or jobs_per_task < 0:
+            raise ValueError(f"workers and jobs_per_task must be >= 0, got {workers} and "
+                             f"{jobs_per_task}")
+        if threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
+        if not start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s must be positive, got {start_timeout_s}")
+        ray = import_ray()
+        self._ray = ray
+        self.jobs_per_task = jobs_per_task
+        self._owns_ray = False
+        self._actors: list[Any] = []
+        if ray.is_initialized():
+            self.where = "the Ray this process is connected to"
+        else:
+            self._init(ray, address, workers)
+        try:
+            self._start_actors(ray, model_factory, train, shares, workers, threads_per_worker,
+                               start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init(self, ray: Any, address: str | None, workers: int) -> None:
+        kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
+        if address:
+            kwargs["address"] = address
+            self.where = f"the Ray cluster at {address}"
+        else:  # "local": a new instance even when RAY_ADDRESS points at a cluster
+            kwargs.update(address="local", num_cpus=workers or default_workers())
+            self.where = f"a local Ray with {kwargs['num_cpus']} CPUs"
+        try:
+            with warnings.catch_warnings():  # ray.init's tips about future defaults
+                warnings.simplefilter("ignore", FutureWarning)
+                ray.init(**kwargs)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ValueError(f"could not start or reach Ray ({self.where}): {exc}") from exc
+        self._owns_ray = True
+
+    def _start_actors(self, ray: Any, model_factory: ModelFactory, train: ArrayDataset,
+                      shares: Sequence[Index], workers: int, threads: int,
+                      timeout_s: float) -> None:
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        if cpus < 1:
+            raise ValueError(f"{self.where} has no CPUs to train on")
+        count = workers or cpus
+        if count > cpus:  # an actor that can't be placed would wait forever
+            log.warning("workers=%d but %s has %d CPUs: starting %d actors", count,
+                        self.where, cpus, cpus)
+            count = cpus
+        shared = ray.put((model_factory, train, list(shares)))  # shipped once, read by all
+        # No actor restarts: an actor lost with its node fails the batch (and the run) loudly.
+        actor = ray.remote(num_cpus=1)(_RayWorker)
+        self._actors = [actor.remote(shared, threads) for _ in range(count)]
+        try:
+            ray.get([a.ready.remote() for a in self._actors], timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ValueError(f"{count} Ray actors did not start within {timeout_s:g} s on "
+                             f"{self.where}") from None
+        self.workers = count
+        self.threads = threads
+
+    # -- running -------------------------------------------------------------------------
+
+    def run(self, jobs: Sequence[Job], settings: TaskSettings) -> list[JobResult]:
+        if not jobs:
+            return []
+        if not self._actors:
+            raise RuntimeError("the Ray executor is closed")
+        ray = self._ray
+        keys: dict[int, int] = {}
+        refs: list[Any] = []  # one object-store copy of each distinct global vector
+        items: list[Triple] = []
+        for job in jobs:
+            key = keys.get(id(job.params))
+            if key is None:
+                key = keys[id(job.params)] = len(refs)
+                refs.append(ray.put(job.params))
+            items.append((job.client, key, job.seed))
+        per = self.jobs_per_task or max(1, -(-len(items) // (self.workers * TASKS_PER_ACTOR)))
+        batches = [items[s:s + per] for s in range(0, len(items), per)]
+        out: list[tuple[np.ndarray, list[int], list[dict[str, float]]] | None] = \
+            [None] * len(batches)
+        pending: dict[Any, tuple[int, Any]] = {}
+        queue = iter(range(len(batches)))
+
+        def submit(actor: Any) -> None:
+            b = next(queue, None)
+            if b is None:
+                return
+            needed = sorted({k for _, k, _ in batches[b]})
+            local = {k: i for i, k in enumerate(needed)}
+            ref = actor.train.remote([(c, local[k], s) for c, k, s in batches[b]], settings,
+                                     *(refs[k] for k in needed))
+            pending[ref] = (b, actor)
+
+        for _ in range(IN_FLIGHT_PER_ACTOR):
+            for actor in self._actors:
+                submit(actor)
+        while pending:  # an actor that finishes a task gets the next one
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                b, actor = pending.pop(ref)
+                out[b] = ray.get(ref)
+                submit(actor)
+        results: list[JobResult] = []
+        for part in out:
+            assert part is not None
+            stacked, counts, metrics = part
+            stacked = np.array(stacked)  # writable, and no longer pinning the object store
+            results += [JobResult(stacked[i], counts[i], dict(metrics[i]))
+                        for i in range(len(counts))]
+        return results
+
+    def describe(self) -> str:
+        return (f"ray ({getattr(self, 'workers', 0)} actors running TorchTrainer, "
+                f"{getattr(self, 'threads', 1)} thread each, on {self.where})")
+
+    def close(self) -> None:
+        """Stop the actors; shut Ray down if this executor started it."""
+        ray = self._ray
+        for actor in self._actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # already gone with its node: nothing left to stop
+                log.debug("could not kill a Ray actor", exc_info=True)
+        self._actors = []
+        if self._owns_ray:
+            self._owns_ray = False
+            ray.shutdown()
+
+
+__all__ = ["MISSING_RAY", "RayExecutor", "import_ray"]
