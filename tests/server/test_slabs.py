@@ -7,10 +7,7 @@ import os
 import pickle
 import subprocess
 import sys
-import uuid
-from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker, shared_memory
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,40 +17,14 @@ from murmura.server.slabs import (
     MIN_SLAB_BYTES,
     OutArray,
     OutRef,
-    SlabPool,
     SlabRef,
     attach,
     resolve,
     write_out,
 )
+from tests.server.conftest import SHM, needs_dev_shm, shm_names
 
 MiB = 1 << 20
-SHM = Path("/dev/shm")
-needs_dev_shm = pytest.mark.skipif(not SHM.is_dir(), reason="needs /dev/shm (Linux)")
-
-
-def shm_names(prefix: str) -> set[str]:
-    return {p.name for p in SHM.iterdir() if p.name.startswith(prefix + "_")} if SHM.is_dir() \
-        else set()
-
-
-@pytest.fixture
-def make_pool() -> Iterator[Callable[..., SlabPool]]:
-    """make_pool(max_bytes, **kw) -> a pool with a unique prefix; at teardown every pool is
-    closed and none may leave a segment behind."""
-    pools: list[SlabPool] = []
-
-    def make(max_bytes: int = 64 * MiB, **kwargs: object) -> SlabPool:
-        pool = SlabPool(max_bytes, prefix=f"mt{uuid.uuid4().hex[:8]}", **kwargs)  # type: ignore
-        pools.append(pool)
-        return pool
-
-    yield make
-    for pool in pools:
-        pool.close()
-    slabs.detach_all()
-    leaked = set().union(*(shm_names(p.prefix) for p in pools)) if pools else set()
-    assert not leaked, f"segments left in /dev/shm: {sorted(leaked)}"
 
 
 def test_a_released_slab_is_recycled_for_a_request_of_its_class(make_pool) -> None:
