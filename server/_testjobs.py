@@ -87,6 +87,11 @@ def scale_into(src: SlabRef | bytes, out: OutRef | None, factor: float) -> float
     return write_out(out, values, float(values.sum(dtype=np.float64)))
 
 
+def ignores_out(out: OutRef | None) -> str:
+    """Breaks the output convention: never writes ``out`` nor returns an OutArray."""
+    return "no array"
+
+
 def fail(message: str) -> None:
     raise CodecError(message)
 
@@ -112,4 +117,4 @@ def unpicklable_result() -> Any:
 
 
 __all__ = ["CONTROL_BYTES", "Control", "SLOTS", "add", "fail", "fail_stubborn", "getpid",
-           "hold", "kill_self", "scale_into", "unpicklable_result"]
+           "hold", "ignores_out", "kill_self", "scale_into", "unpicklable_result"]

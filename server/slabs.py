@@ -345,10 +345,10 @@ class _Attachment:
     __slots__ = ("_close", "buf")
 
     def __init__(self, name: str) -> None:
+        buf: memoryview | None
         if sys.version_info >= (3, 13):
             shm = shared_memory.SharedMemory(name=name, track=False)
-            self.buf: memoryview = shm.buf
-            self._close = shm.close
+            buf, self._close = shm.buf, shm.close
         elif os.name == "posix":
             import _posixshmem  # what SharedMemory itself uses; only the registration is skipped
 
@@ -357,12 +357,12 @@ class _Attachment:
                 mapping = mmap.mmap(fd, os.fstat(fd).st_size)
             finally:
                 os.close(fd)
-            self.buf = memoryview(mapping)
-            self._close = mapping.close
+            buf, self._close = memoryview(mapping), mapping.close
         else:  # Windows: no resource tracker, and the segment lives while any handle does
             shm = shared_memory.SharedMemory(name=name)
-            self.buf = shm.buf
-            self._close = shm.close
+            buf, self._close = shm.buf, shm.close
+        assert buf is not None
+        self.buf: memoryview = buf
 
     def close(self) -> None:
         try:
@@ -417,7 +417,7 @@ def resolve(data: SlabRef | bytes | bytearray | memoryview | np.ndarray) -> memo
     if isinstance(data, SlabRef):
         return attach(data)
     if isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):
-        view = memoryview(data)
+        view = memoryview(data)  # type: ignore[arg-type]  # ndarray is a buffer
         return view if view.ndim == 1 and view.format == "B" else view.cast("B")
     raise TypeError(f"expected a SlabRef or a bytes-like object, got {type(data).__name__}")
 

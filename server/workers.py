@@ -326,7 +326,7 @@ class ProcessBackend(FunctionBackend):
         self.max_attempts = max_attempts
         self.max_message_bytes = max_message_bytes
         self.start_method = start_method
-        self._ctx = multiprocessing.get_context(start_method)
+        self._ctx: Any = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             _request_preload(self._ctx, tuple(preload))
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -400,12 +400,16 @@ class ProcessBackend(FunctionBackend):
         await loop.run_in_executor(self._procs, forkserver.ensure_running)
 
     def stats(self) -> dict[str, Any]:
+        """Workers by state, queue depth, job counts, cold starts (count, mean and last
+        seconds from "a job needs a worker" to "the worker is ready"), dispatches (cold: the
+        first job of a new worker; warm: any other), dispatch latency (job submitted -> the
+        worker starts it, through the system-wide monotonic clock), crashes and retries."""
         states = [w.state for w in self._workers.values()]
         done, cold = self.jobs_done, self.cold_starts
         return {
             "backend": f"process/{self.start_method}",
             "max_workers": self.max_workers,
-            "workers": sum(s is not _State.EXITED for s in states),
+            "workers": len(states),  # every process not yet reaped
             "starting": states.count(_State.STARTING),
             "idle": states.count(_State.IDLE),
             "busy": states.count(_State.BUSY),
@@ -733,7 +737,7 @@ class ProcessBackend(FunctionBackend):
 
 def _join(process: Any) -> int | None:
     process.join(timeout=10.0)
-    code = process.exitcode
+    code: int | None = process.exitcode
     if code is not None:
         process.close()  # its sentinel and pipe fds
     return code

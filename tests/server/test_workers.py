@@ -207,6 +207,8 @@ def test_scales_from_zero_to_max_and_back_to_zero_when_idle(make_pool) -> None:
 def test_a_second_job_reuses_the_warm_worker() -> None:
     async def go() -> None:
         async with process_backend(2) as backend:
+            await backend.warm_up()  # the forkserver only: no worker yet
+            assert backend.stats()["workers"] == 0
             first = await backend.run(jobs.getpid)
             second = await backend.run(jobs.getpid)
             stats = backend.stats()
@@ -397,3 +399,23 @@ def test_the_spawn_start_method_runs_the_same_jobs(make_pool) -> None:
 
     run(go())
     assert np.frombuffer(dst.buf, np.float32, count=2).tolist() == [3.0, -4.0]
+
+
+@pytest.mark.integration
+def test_serves_an_event_loop_running_in_another_thread() -> None:
+    # The gRPC gateway runs its loop in a background thread (ServerThread).
+    import threading
+
+    answers: list[Any] = []
+
+    def serve() -> None:
+        answers.append(run(go()))
+
+    async def go() -> tuple[int, int]:
+        async with process_backend(1) as backend:
+            return await backend.run(jobs.add, 20, 22), backend.stats()["jobs_done"]
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    thread.join(TIMEOUT_S)
+    assert answers == [(42, 1)]
