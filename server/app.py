@@ -18,8 +18,8 @@ from murmura.server.checkpoint import load_checkpoint
 from murmura.server.config import ServerConfig
 from murmura.server.core import AggregatorCore, evaluator_for
 from murmura.server.outputs import RunRecorder
-from murmura.server.service import MAX_MESSAGE_BYTES, AggregatorServicer, add_servicer
 from murmura.server.publisher import Publisher
+from murmura.server.service import MAX_MESSAGE_BYTES, AggregatorServicer, add_servicer
 from murmura.server.tier import Tier
 from murmura.tasks import Task, TaskConfig, load_task
 
@@ -100,6 +100,7 @@ class AggregatorServer:
         self.core.publisher = Publisher(threaded=True)
         self.core.post = loop.call_soon_threadsafe
         self.core.row_extras = self.tier.stats
+        self.tier.post = loop.call_soon_threadsafe
         self.servicer = AggregatorServicer(self.core, tier=self.tier)
         add_servicer(self.servicer, server)
         self.port = server.add_insecure_port(self.requested_address)

@@ -123,7 +123,8 @@ class AggregatorCore:
             optimizer.load_state_dict(start.optimizer_state)
         self.decoder = Decoder(spec.size, config.train)
         pool = self._start_pool(start)
-        self._pool_state = pool
+        #: The FedKSeed state in a seed-pool run (see server/pool.py), else None.
+        self.pool = pool
         self.rule: ModelRule = (PoolRule(pool, lr=config.server_lr) if pool is not None
                                 else OptimizerRule(optimizer))
         if pool is not None:
@@ -274,10 +275,10 @@ class AggregatorCore:
         return self.version, pool.base_version, self._pool_scalars
 
     def _require_pool(self) -> PoolState:
-        if self._pool_state is None:
+        if self.pool is None:
             raise FailedPrecondition("this run has no seed pool (it needs trainer 'zo', codec "
                                      "'seed' and codec option pool=K); pull the model instead")
-        return self._pool_state
+        return self.pool
 
     def push(self, header: UpdateHeader, payload: bytes | bytearray | memoryview, *,
              wire_bytes: int = 0) -> PushResult:
@@ -441,11 +442,16 @@ class AggregatorCore:
 
     # -- folding and publishing ---------------------------------------------------------------
 
-    def fold(self, job: Callable[[], None], release: Callable[[], None] | None = None) -> None:
-        """Run ``job`` (an accumulator update) on the publisher, after the jobs before it."""
+    def fold(self, fn: Callable[..., None], decoded: Decoded, *args: Any,
+             release: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        """Run ``fn(decoded, *args, **kwargs)`` (an accumulator update) on the publisher, after
+        the jobs before it; then ``release``, with no reference to ``decoded`` left here (a
+        receive buffer is reused only when nothing else holds it)."""
+        box = [decoded]
+
         def run() -> None:
             try:
-                job()
+                fn(box.pop(), *args, **kwargs)
             finally:
                 if release is not None:
                     release()
@@ -503,7 +509,7 @@ class AggregatorCore:
                 optimizer_state=optimizer_state,
                 meta={"mode": self.config.mode, "updates": row["updates"], **meta}, extra=extra))
         row["publish_s"] = round(time.perf_counter() - t0, 6)
-        scalars = self._pool_state.scalars if self._pool_state is not None else None
+        scalars = self.pool.scalars if self.pool is not None else None
         return params, row, scalars
 
     def _install(self, fut: Any) -> None:

@@ -27,6 +27,7 @@ from murmura.protocols.codecs.seed import SeedCodec
 from murmura.protocols.pool import seed_pool_for
 from murmura.server.errors import FailedPrecondition, InvalidArgument
 
+
 @dataclass
 class Decoded:
     """One decoded push: an update, or a leaf's partial aggregate.
@@ -93,12 +94,6 @@ class Decoder:
     def needs_reference(self, codec: str) -> bool:
         """True when decoding ``codec`` needs the model version the update was trained on."""
         return codec != PARTIAL_CODEC and self.pool is None and self.codec(codec).needs_reference
-
-    def decoded_nbytes(self, codec: str) -> int:
-        """An upper bound on the bytes :meth:`decode` produces (to size output buffers)."""
-        if codec == PARTIAL_CODEC:
-            return 16 * self.size  # an exact partial: two int64 limbs per value
-        return 4 * self.update_size
 
     def decode(self, codec: str, payload: bytes | bytearray | memoryview, *,
                reference: FlatVector | None = None) -> Decoded:

@@ -47,7 +47,7 @@ def make_aggregator(core: AggregatorCore) -> Aggregator:
     return create_aggregator(cfg.defense, core.update_size, **options)
 
 
-def fold_into(agg: Aggregator, decoded: Decoded, weight: float, *, factor: float = 1.0,
+def fold_into(decoded: Decoded, agg: Aggregator, weight: float, *, factor: float = 1.0,
               client_id: str = "") -> None:
     """Add one decoded push to ``agg``: an update with its weight, or a leaf's partial
     aggregate (which carries its own weight) merged as a whole."""
@@ -108,7 +108,6 @@ class SyncPolicy(Policy):
 
     def __init__(self, core: AggregatorCore) -> None:
         super().__init__(core)
-        cfg = core.config
         self.agg = self.aggregator = make_aggregator(core)
         self._folded = 0                                # updates handed to the publisher
         self.round = 0
@@ -176,10 +175,9 @@ class SyncPolicy(Policy):
 
     def _fold(self, update: Decoded, weight: float, factor: float, cid: str,
               release: Release) -> None:
-        agg = self.agg
         self._folded += update.count
-        self.core.fold(lambda: fold_into(agg, update, weight, factor=factor, client_id=cid),
-                       release)
+        self.core.fold(fold_into, update, self.agg, weight, factor=factor, client_id=cid,
+                       release=release)
 
     def _fold_in_order(self, *, flush: bool = False) -> None:
         while self._next < len(self.cohort):
@@ -251,14 +249,13 @@ class AsyncPolicy(Policy):
             raise FailedPrecondition(str(exc)) from exc
         except AggregationError as exc:
             raise InvalidArgument(str(exc)) from exc
-        agg, weight = self.aggregator, float(header.num_examples)
-        factor, cid = self.staleness(staleness), rec.client_id
         self._count += update.count
-        self.core.fold(lambda: fold_into(agg, update, weight, factor=factor, client_id=cid),
-                       release)
+        self.core.fold(fold_into, update, self.aggregator, float(header.num_examples),
+                       factor=self.staleness(staleness), client_id=rec.client_id,
+                       release=release)
         if self._count >= self.buffer.buffer_size:
             count, self._count = self._count, 0
-            self.core.publish(agg, updates=count)
+            self.core.publish(self.aggregator, updates=count)
 
     def buffered(self) -> int:
         return self._count

@@ -167,6 +167,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 raise
             publishes = core.publishes
             result = core.finish_push(header, decoded, release=release)
+            del decoded, release  # the fold releases the buffers once nothing holds them
             if core.publishes != publishes and core.last_publish is not None:
                 # This update completed a version: answer once it is out (the loop stays free
                 # meanwhile), so the reply names the version that includes it.

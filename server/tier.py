@@ -24,13 +24,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from murmura.protocols import FlatVector, UpdateHeader
+from murmura.protocols.codecs.partial import KIND_EXACT, PARTIAL_CODEC
 from murmura.server.buffers import DEFAULT_MAX_FREE, BufferPool, ReceiveBuffer
 from murmura.server.config import ServerConfig
 from murmura.server.decoding import Decoded, Decoder
 from murmura.server.errors import ResourceExhausted
-from murmura.server.slabs import OutRef, Slab, SlabPool, SlabRef, attach
+from murmura.server.slabs import OutArray, OutRef, Slab, SlabPool, SlabRef, resolve, write_out
 from murmura.server.workers import FunctionBackend, QueueFull
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 0.5
 #: Published versions kept in shared memory for reference-needing codecs (seed replay).
 REFERENCE_SLABS = 3
+DENSE = "dense-f32"
 
 
 @dataclass(frozen=True)
@@ -53,35 +56,43 @@ class DecodedMeta:
 
 
 def decode_job(decoder: Decoder, codec: str, payload: SlabRef | bytes, reference: Any,
-               out: OutRef | None) -> DecodedMeta | Decoded:
+               out: OutRef | None) -> DecodedMeta | OutArray:
     """The aggregation function: decode one payload wherever this runs.
 
-    ``payload`` and ``reference`` are slab references (local workers) or bytes/arrays (Ray,
-    inline). With an ``out`` slab the arrays are written there and only a small
-    :class:`DecodedMeta` travels back; without one (Ray) the :class:`Decoded` itself returns.
+    ``payload`` and ``reference`` are slab references (local workers) or the bytes a remote
+    backend shipped in their place. The decoded arrays go into ``out``, exactly
+    :func:`output_nbytes` long, and only a small :class:`DecodedMeta` travels back; a remote
+    backend passes ``out=None`` and copies the returned array into the slab itself
+    (:func:`~murmura.server.slabs.write_out`). For dense-f32 the values *are* the payload, so
+    ``out`` is the payload's own range and a local worker writes nothing.
     """
-    data = attach(payload) if isinstance(payload, SlabRef) else payload
-    ref = reference
-    if isinstance(reference, SlabRef):
-        ref = np.frombuffer(attach(reference), dtype=np.float32, count=decoder.size)
+    torch.set_num_threads(1)  # one core per worker; the pool, not torch, uses the others
+    data = resolve(payload)
+    ref = None
+    if reference is not None:
+        ref = np.frombuffer(resolve(reference), dtype=np.float32, count=decoder.size)
     decoded = decoder.decode(codec, data, reference=ref)
-    if out is None:
-        if decoded.values is not None and not decoded.values.flags.owndata:
-            decoded.values = np.array(decoded.values, copy=True)  # not a view of a slab
-        return decoded
-    target = attach(out)
-    in_place = codec == "dense-f32" and decoded.limbs is None
-    n_values = 0
-    if decoded.limbs is not None:
-        hi, lo = decoded.limbs
-        np.frombuffer(target, dtype=np.int64, count=hi.size)[:] = hi
-        np.frombuffer(target, dtype=np.int64, count=lo.size, offset=hi.nbytes)[:] = lo
-    elif decoded.values is not None:
-        n_values = decoded.values.size
-        if not in_place:
-            np.frombuffer(target, dtype=np.float32, count=n_values)[:] = decoded.values
-    return DecodedMeta(in_place=in_place, n_values=n_values, weight=decoded.weight,
-                       count=decoded.count, exact=decoded.limbs is not None)
+    exact = decoded.limbs is not None
+    if exact:
+        hi, lo = decoded.limbs  # type: ignore[misc]
+        array = np.concatenate([hi.view(np.uint8), lo.view(np.uint8)])
+        n_values = 0
+    else:
+        assert decoded.values is not None
+        array, n_values = decoded.values, decoded.values.size
+    meta = DecodedMeta(in_place=codec == DENSE and not exact, n_values=n_values,
+                       weight=decoded.weight, count=decoded.count, exact=exact)
+    if out is not None and meta.in_place:
+        return meta  # the values are the payload slab's bytes already
+    return write_out(out, array, meta)
+
+
+def output_nbytes(decoder: Decoder, codec: str, head: bytes | memoryview) -> int:
+    """How many bytes :func:`decode_job` writes for a payload that starts with ``head``."""
+    if codec == PARTIAL_CODEC:
+        exact = len(head) >= 4 and head[3] == KIND_EXACT
+        return (16 if exact else 4) * decoder.size
+    return 4 * decoder.update_size
 
 
 class Tier:
@@ -101,6 +112,9 @@ class Tier:
         self._retired: dict[int, Slab] = {}      # dropped from the cache, still being read
         self.decoded = 0
         self.decode_s = 0.0
+        #: Runs a function on the gateway's event loop (set by the server): in-process receive
+        #: buffers are released there, after the push handler has dropped its references.
+        self.post: Callable[[Callable[[], None]], None] = lambda fn: fn()
 
     @classmethod
     def for_config(cls, config: ServerConfig, decoder: Decoder) -> Tier:
@@ -176,81 +190,80 @@ class Tier:
                 self.buffers.release(lease)
                 raise
             self._count(t0)
-            return decoded, lambda: self.buffers.release(lease)
+            post, buffers = self.post, self.buffers
+            return decoded, lambda: post(lambda: buffers.release(lease))
         assert isinstance(lease, Slab) and self.slabs is not None
         slabs = self.slabs
-        out = slabs.acquire(self.decoder.decoded_nbytes(header.codec))
-        if out is None:
-            slabs.release(lease)
-            raise self._busy(f"{slabs.in_use_bytes / 1e6:.0f} MB of updates are in flight")
+        payload = lease.buf[:header.payload_bytes]
+        out_bytes = output_nbytes(self.decoder, header.codec, payload[:24])
+        if header.codec == DENSE:
+            out, out_ref = None, OutRef(lease.name, 0, header.payload_bytes)
+        else:
+            out = slabs.acquire(out_bytes)
+            if out is None:
+                slabs.release(lease)
+                raise self._busy(f"{slabs.in_use_bytes / 1e6:.0f} MB of updates are in flight")
+            out_ref = OutRef(out.name, 0, out_bytes)
+        released = False
+
+        def release_both() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                slabs.release(lease)
+                if out is not None:
+                    slabs.release(out)
+
         ref_arg: Any = None
         if reference is not None:
             try:
                 ref_arg = self._reference_slab(reference_version, reference).ref(
                     0, reference.nbytes)
             except ResourceExhausted:
-                slabs.release(lease)
-                slabs.release(out)
+                release_both()
                 raise
             self._ref_users[reference_version] = self._ref_users.get(reference_version, 0) + 1
         job = asyncio.ensure_future(self.backend.run(
             decode_job, self.decoder, header.codec, lease.ref(0, header.payload_bytes), ref_arg,
-            OutRef(out.name, 0, out.size)))
+            out_ref))
         try:
             meta = await asyncio.shield(job)
         except asyncio.CancelledError:
             # The client went away; the worker may still be writing into the slabs, so they
             # go back to the pool only once its job has ended.
             def later(_: Any) -> None:
-                slabs.release(lease)
-                slabs.release(out)
+                release_both()
                 if ref_arg is not None:
                     self._drop_reference_user(reference_version)
             job.add_done_callback(later)
             ref_arg = None
             raise
         except QueueFull as exc:
-            slabs.release(lease)
-            slabs.release(out)
+            release_both()
             raise self._busy(str(exc)) from None
         except BaseException:
-            slabs.release(lease)
-            slabs.release(out)
+            release_both()
             raise
         finally:
             if ref_arg is not None:
                 self._drop_reference_user(reference_version)
         self._count(t0)
-        decoded = self._rebuild(meta, lease, out, header.payload_bytes)
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                slabs.release(lease)
-                slabs.release(out)
-        return decoded, release
+        return self._rebuild(meta, lease, out, header.payload_bytes), release_both
 
     def _count(self, t0: float) -> None:
         self.decoded += 1
         self.decode_s += time.perf_counter() - t0
 
-    def _rebuild(self, meta: DecodedMeta | Decoded, lease: Slab, out: Slab,
+    def _rebuild(self, meta: DecodedMeta, lease: Slab, out: Slab | None,
                  payload_bytes: int) -> Decoded:
-        if isinstance(meta, Decoded):  # a backend that returns the arrays (Ray)
-            arrays = meta
-            if arrays.values is not None:
-                view = np.frombuffer(out.buf, dtype=np.float32, count=arrays.values.size)
-                view[:] = arrays.values
-                arrays.values = view
-            return arrays
+        """The decoded arrays as views of the slabs the function wrote (or the payload's)."""
         if meta.exact:
+            assert out is not None
             n = self.decoder.size
             hi = np.frombuffer(out.buf, dtype=np.int64, count=n)
             lo = np.frombuffer(out.buf, dtype=np.int64, count=n, offset=8 * n)
             return Decoded(None, weight=meta.weight, count=meta.count, limbs=(hi, lo))
-        source = lease.buf[:payload_bytes] if meta.in_place else out.buf
+        source = lease.buf[:payload_bytes] if meta.in_place or out is None else out.buf
         values = np.frombuffer(source, dtype=np.float32, count=meta.n_values)
         return Decoded(values, weight=meta.weight, count=meta.count)
 
@@ -290,7 +303,7 @@ class Tier:
                                "decode_ms": round(1e3 * self.decode_s / max(self.decoded, 1), 3)}
         if self.backend is not None:
             s = self.backend.stats()
-            out.update({"workers": s.get("workers", 0), "queue": s.get("queue", 0),
+            out.update({"workers": s.get("workers", 0), "queue": s.get("queue_depth", 0),
                         "cold_starts": s.get("cold_starts", 0)})
         if self.slabs is not None:
             out["slab_mb_in_use"] = round(self.slabs.in_use_bytes / 1e6, 1)
@@ -304,4 +317,4 @@ class Tier:
             self.slabs.close()
 
 
-__all__ = ["RETRY_AFTER_S", "DecodedMeta", "Tier", "decode_job"]
+__all__ = ["RETRY_AFTER_S", "DecodedMeta", "Tier", "decode_job", "output_nbytes"]
