@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -68,6 +69,21 @@ def hold(ctrl: SlabRef, slot: int, *, block_attempts: int = 1,
     return os.getpid(), attempt
 
 
+def answer_then_die(ctrl: SlabRef, slot: int, *, timeout_s: float = 30.0) -> int:
+    """Record a start, wait for the release, return the pid and have the process SIGKILLed a
+    moment later (after the answer is on its way)."""
+    a = _control(ctrl)
+    a[_STARTED + slot] += 1
+    a[_PID + slot] = os.getpid()
+    deadline = time.monotonic() + timeout_s
+    while not a[_RELEASE + slot]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"slot {slot} was not released within {timeout_s} s")
+        time.sleep(0.002)
+    threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    return os.getpid()
+
+
 def add(a: float, b: float) -> float:
     return a + b
 
@@ -116,5 +132,5 @@ def unpicklable_result() -> Any:
     return lambda: None
 
 
-__all__ = ["CONTROL_BYTES", "Control", "SLOTS", "add", "fail", "fail_stubborn", "getpid",
-           "hold", "ignores_out", "kill_self", "scale_into", "unpicklable_result"]
+__all__ = ["CONTROL_BYTES", "Control", "SLOTS", "add", "answer_then_die", "fail", "fail_stubborn",
+           "getpid", "hold", "ignores_out", "kill_self", "scale_into", "unpicklable_result"]

@@ -314,6 +314,34 @@ def test_a_job_whose_worker_is_killed_runs_again_and_answers_once(make_pool) -> 
 
 
 @pytest.mark.integration
+def test_an_answer_sent_just_before_the_worker_died_is_delivered_once(make_pool) -> None:
+    ctrl_slab = make_pool().acquire(jobs.CONTROL_BYTES)
+    assert ctrl_slab is not None
+    ctrl = jobs.Control(ctrl_slab)
+
+    async def go() -> None:
+        async with process_backend(1) as backend:
+            job = started(backend.run(jobs.answer_then_die, ctrl.ref, 0))
+            await until(lambda: ctrl.pid(0) != 0, "the job running")
+            # Make the death the first thing the loop sees (the selector may report either
+            # first): stop watching the pipe, and keep the loop busy until the worker is dead.
+            (worker,) = backend._workers.values()
+            asyncio.get_running_loop().remove_reader(worker.conn.fileno())
+            ctrl.release(0)
+            deadline = time.monotonic() + 20
+            while not gone(ctrl.pid(0)):
+                assert time.monotonic() < deadline, "the worker did not die"
+            assert await job == ctrl.pid(0)
+            await until(lambda: backend.stats()["workers"] == 0, "the dead worker reaped")
+            stats = backend.stats()
+            assert ctrl.started(0) == 1 and stats["retries"] == 0 and stats["jobs_done"] == 1
+            assert stats["crashes"] == 1  # it died, but not with a job to redo
+
+    run(go())
+    ctrl.close()
+
+
+@pytest.mark.integration
 def test_a_job_that_kills_every_worker_gives_up_after_max_attempts() -> None:
     async def go() -> None:
         async with process_backend(2, max_attempts=3) as backend:
