@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,6 +129,11 @@ class ServerConfig:
             raise ValueError(f"slab_mb must be positive, got {self.slab_mb}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "ray" and self.workers != 0 \
+                and importlib.util.find_spec("ray") is None:
+            raise ValueError('backend \'ray\': Ray is not installed: pip install "murmura[ray]"')
+        if self.ray_address and self.backend != "ray":
+            raise ValueError("ray_address is only for backend 'ray'")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.role == "leaf":

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import queue
 import secrets
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -92,14 +93,19 @@ class Leaf:
     """A leaf aggregator server plus its upstream link (started with :meth:`start`)."""
 
     def __init__(self, config: ServerConfig, task_config: TaskConfig, *,
-                 out_dir: str | Path | None = None, evaluate: bool = False) -> None:
+                 out_dir: str | Path | None = None, evaluate: bool = False,
+                 connect_timeout_s: float = 30.0) -> None:
         if config.role != "leaf":
             raise ValueError("Leaf needs a config with role 'leaf'")
         self.config = config
         self.task_config = task_config
         self.out_dir = out_dir
         self.evaluate = evaluate
-        self.name = config.name
+        #: How long start() waits for the parent to answer (it may start after the leaf).
+        self.connect_timeout_s = connect_timeout_s
+        # The id under which the parent knows this leaf: the parent folds a sync round in
+        # sorted id order, so it should be stable across restarts (set it with --name).
+        self.name = config.name or _default_name(config.address)
         self.core: AggregatorCore | None = None
         self.server: AggregatorServer | None = None
         self.trainer: LeafTrainer | None = None
@@ -124,8 +130,6 @@ class Leaf:
         self.core = core
         self.server = AggregatorServer(core)
         await self.server.start()
-        if not self.name:
-            self.name = f"leaf-{self.server.address.replace(':', '-')}"
         self._link = threading.Thread(target=self._run_link, name="murmura-upstream",
                                       daemon=True)
         self._link.start()
@@ -133,18 +137,15 @@ class Leaf:
                  self.config.upstream)
 
     def _parent_settings(self) -> TaskSettings:
-        transport = GrpcTransport(self.config.upstream)
-        probe = f"{self.name or 'leaf'}-probe-{secrets.token_hex(4)}"
+        # Joined under the leaf's own id and not left: the link's join takes the identity over,
+        # so no second identity ever sits in one of the parent's cohorts.
+        transport = GrpcTransport(self.config.upstream, timeout_s=self.connect_timeout_s)
         try:
-            result, _ = transport.join(probe, DeviceProfile(device="leaf"),
+            result, _ = transport.join(self.name, DeviceProfile(device="leaf"),
                                        self.config.join_token)
-            try:
-                transport.leave(result.session)
-            except RemoteError:
-                pass
         except RemoteError as exc:
-            raise ValueError(f"cannot reach the parent aggregator at {self.config.upstream}: "
-                             f"{exc}") from None
+            raise ValueError(f"cannot reach the parent aggregator at {self.config.upstream} "
+                             f"(waited {self.connect_timeout_s:g} s): {exc.status}") from None
         finally:
             transport.close()
         return result.settings
@@ -182,6 +183,12 @@ class Leaf:
     def status(self) -> dict[str, Any]:
         assert self.core is not None
         return {"name": self.name, **self.core.status()}
+
+
+def _default_name(address: str) -> str:
+    port = address.rsplit(":", 1)[-1]
+    suffix = port if port not in ("", "0") else secrets.token_hex(3)
+    return f"leaf-{socket.gethostname()}-{suffix}"
 
 
 __all__ = ["Leaf", "LeafTrainer", "partial_payload"]

@@ -159,8 +159,10 @@ def _close_segment(shm: shared_memory.SharedMemory, *, unlink: bool) -> None:
         shm.close()
     except BufferError:
         # A view of it is still alive somewhere (a caller kept slab.buf): the name is gone
-        # already, and the pages go when the last view does.
+        # already, and the pages go when the last view does (the views keep the mapping
+        # alive). Stop SharedMemory.__del__ from trying again and printing the same error.
         logger.debug("slab %s closed while a view of it is alive", shm.name)
+        shm.close = lambda: None  # type: ignore[method-assign]
 
 
 def _close_all(segments: dict[str, shared_memory.SharedMemory]) -> None:

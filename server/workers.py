@@ -432,6 +432,12 @@ class ProcessBackend(FunctionBackend):
             "stops": self.stops,
         }
 
+    def worker_pids(self, *, busy_only: bool = False) -> list[int]:
+        """Process ids of the live workers (the busy ones only, with ``busy_only``): for
+        operators and fault tests."""
+        return [w.pid for w in self._workers.values()
+                if w.pid is not None and (not busy_only or w.state is _State.BUSY)]
+
     async def close(self, grace_s: float = 5.0) -> None:
         """Refuse new jobs, fail the queued ones, let running jobs finish for ``grace_s``
         seconds, then kill what is left. Every worker is reaped before this returns."""

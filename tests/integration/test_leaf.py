@@ -16,7 +16,7 @@ from murmura.server import ServerConfig, ServerThread, build_core
 from murmura.server.leaf import Leaf
 from murmura.tasks import TaskConfig, load_task
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 TASK = TaskConfig(task="digits", model="mlp", partition="iid")
 VERSIONS = 3
@@ -62,8 +62,8 @@ def flat_run(accumulator: str) -> np.ndarray:
         threads = run_clients([top.address] * 4)
         assert top.wait_done(timeout=120)
         params = top.call(lambda: core.params.copy())
-    for th in threads:
-        th.join(30)
+        for th in threads:  # they leave when the server says stop
+            th.join(30)
     return params
 
 
@@ -128,11 +128,16 @@ def test_bad_partials_are_refused_and_the_model_is_unchanged(top) -> None:
     t = GrpcTransport(top.address, timeout_s=10)
     s = t.join("leaf-x", DeviceProfile())[0].session
     ok = np.full(size, 0.5, np.float32)
-    nan = ok.copy()
-    nan[3] = np.nan
+    # encode_partial refuses NaN itself, so a hostile leaf's payload is patched by hand: the
+    # float32 sum starts after the 24-byte header
+    nan = bytearray(encode_partial(weight=4.0, count=2, sum_f32=ok))
+    nan[24 + 12:24 + 16] = np.array([np.nan], "<f4").tobytes()
+    zero_weight = bytearray(encode_partial(weight=4.0, count=2, sum_f32=ok))
+    zero_weight[8:16] = np.array([0.0], "<f8").tobytes()
     cases = {
         "wrong size": (encode_partial(weight=4.0, count=2, sum_f32=ok[:-1]), 0),
-        "non-finite": (encode_partial(weight=4.0, count=2, sum_f32=nan), 0),
+        "non-finite": (bytes(nan), 0),
+        "zero weight": (bytes(zero_weight), 0),
         "truncated": (encode_partial(weight=4.0, count=2, sum_f32=ok)[:-3], 0),
         "unknown version": (encode_partial(weight=4.0, count=2, sum_f32=ok), 7),
     }
@@ -181,6 +186,7 @@ def test_a_leaf_config_needs_an_upstream_and_a_decomposable_rule() -> None:
 def test_a_leaf_whose_parent_is_unreachable_says_so() -> None:
     import asyncio
 
-    leaf = Leaf(ServerConfig(role="leaf", upstream="127.0.0.1:1", workers=0), TASK)
+    leaf = Leaf(ServerConfig(role="leaf", upstream="127.0.0.1:1", workers=0), TASK,
+                connect_timeout_s=1.0)
     with pytest.raises(ValueError, match="cannot reach the parent aggregator at 127.0.0.1:1"):
         asyncio.run(asyncio.wait_for(leaf.start(), 60))

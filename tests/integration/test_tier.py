@@ -234,7 +234,7 @@ def test_a_worker_killed_mid_decode_is_replaced_and_the_update_counted_once(serv
     pusher.start()
     backend = srv.server.tier.backend
     wait_until(lambda: srv.call(lambda: backend.stats()["busy"]) == 1, what="a busy worker")
-    pids = srv.call(backend.worker_pids)
+    pids = srv.call(lambda: backend.worker_pids(busy_only=True))
     os.kill(pids[0], signal.SIGKILL)
     pusher.join(120)
     assert result and not result[0].duplicate
@@ -244,3 +244,37 @@ def test_a_worker_killed_mid_decode_is_replaced_and_the_update_counted_once(serv
     again = t.push(header, payload)  # a retry of the same update is answered, not re-counted
     assert again.duplicate and srv.call(lambda: srv.core.traffic.updates) == 1
     t.close()
+
+
+@pytest.mark.slow
+def test_the_ray_backend_decodes_like_the_in_process_path(serve) -> None:
+    """``--backend ray`` on a local Ray the server starts (and stops with itself)."""
+    pytest.importorskip("ray")
+    inline = run_sync(serve, workers=0, codec="int8", clients=3, versions=2)
+    cfg = ServerConfig(min_clients=3, max_versions=2, backend="ray",
+                       train=TaskSettings(codec="int8"))
+    core = AggregatorCore(cfg, vector_spec(), np.zeros(SIZE, np.float32))
+    srv = ServerThread(core, "127.0.0.1:0").start()
+    try:
+        assert type(srv.server.tier.backend).__name__ == "RayBackend"
+        t = GrpcTransport(srv.address, timeout_s=120)
+        sessions = [t.join(f"client-{i}", DeviceProfile())[0].session for i in range(3)]
+        codec = create_codec("int8", {})
+        for _ in range(2):
+            tasks = [t.task(s, 5.0) for s in sessions]
+            version = tasks[0].version
+            for i in range(3):
+                payload = codec.encoder(SIZE, seed=i).encode(update_for(i, version))
+                t.push(UpdateHeader(session=sessions[i], update_id=uuid.uuid4().hex[:12],
+                                    base_version=version, round=tasks[i].round,
+                                    num_examples=10 + i, codec="int8",
+                                    payload_bytes=len(payload)), payload)
+        assert t.pull(sessions[0])[0] == 2
+        assert np.array_equal(t.pull(sessions[0])[1], inline)
+        assert srv.call(lambda: srv.server.tier.backend.stats()["jobs_done"]) == 6
+        t.close()
+    finally:
+        srv.stop(grace=None)
+    import ray
+
+    assert not ray.is_initialized()  # the server's Ray went with it
