@@ -115,7 +115,7 @@ class ServerProcess:
 
 
 def tree_cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` and every live descendant (Linux /proc)."""
+    """CPU seconds of ``pid`` and its descendants, live or reaped (Linux /proc)."""
     tick = os.sysconf("SC_CLK_TCK")
     parents: dict[int, int] = {}
     times: dict[int, float] = {}
@@ -128,7 +128,9 @@ def tree_cpu_seconds(pid: int) -> float:
         except OSError:
             continue
         parents[int(entry)] = int(fields[1])
-        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+        # utime + stime, plus cutime + cstime: a worker that exited was reaped by its parent
+        # (the forkserver), which then carries its CPU time, so nothing is lost when one stops
+        times[int(entry)] = sum(int(x) for x in fields[11:15]) / tick
     total, todo = 0.0, [pid]
     while todo:
         p = todo.pop()
@@ -203,11 +205,13 @@ def push_load(address: str, codec: str, payloads: list[bytes]) -> float:
     return elapsed
 
 
-def _probe_main(address: str, stop: Any, out: Any) -> None:
+def _probe_main(address: str, stop: Any, ready: Any, out: Any) -> None:
     from murmura.client import GrpcTransport
     from murmura.protocols import DeviceProfile
 
     t = GrpcTransport(address, timeout_s=60)
+    t.join("probe-warm-up", DeviceProfile())  # connected before the load starts
+    ready.set()
     join_ms: list[float] = []
     task_ms: list[float] = []
     i = 0
@@ -232,18 +236,22 @@ def p99(values: list[float]) -> float:
 def measure(load: str, workers: int, payloads: list[bytes], codec: str, *,
             backend: str = "process", idle: bool = True) -> dict[str, Any]:
     size, _, options = LOADS[load]
+    train = {"codec": codec, "codec_options": options}
+    if codec == "seed":
+        train["trainer"] = "zo"
     config = {"mode": "async", "min_clients": 1, "max_versions": 1, "buffer_size": 10**9,
               "max_staleness": 10**9, "workers": workers, "backend": backend,
-              "max_payload_mb": 256, "train": {"codec": codec, "codec_options": options}}
+              "max_payload_mb": 256, "train": train}
     if workers != 0:
         config["max_workers"] = 2
     server = ServerProcess(size, **config)
     ctx = mp.get_context("spawn")
-    stop, (rx, tx) = ctx.Event(), ctx.Pipe(duplex=False)
-    probe = ctx.Process(target=_probe_main, args=(server.address, stop, tx))
+    stop, ready, (rx, tx) = ctx.Event(), ctx.Event(), ctx.Pipe(duplex=False)
+    probe = ctx.Process(target=_probe_main, args=(server.address, stop, ready, tx))
     try:
         probe.start()
-        time.sleep(1.0)  # the probe's interpreter starts (imports) before the load does
+        if not ready.wait(120):
+            raise RuntimeError("the probe process did not connect")
         elapsed = push_load(server.address, codec, payloads)
         stop.set()
         join_ms, task_ms = rx.recv()
@@ -259,7 +267,7 @@ def measure(load: str, workers: int, payloads: list[bytes], codec: str, *,
         b = stats["backend"]
         row["cold_starts"] = b.get("cold_starts")
         row["cold_start_ms"] = _ms(b.get("cold_start_mean_s"))
-        row["dispatch_ms"] = _ms(b.get("dispatch_mean_s"))
+        row["dispatch_ms"] = _ms(b.get("warm_dispatch_latency_mean_s"))
         if idle:
             cpu0 = server.cpu_seconds()
             time.sleep(IDLE_S)
@@ -367,7 +375,7 @@ def run(argv: list[str] | None = None) -> int:
     args = parse_args("serverless", "The serverless aggregation tier vs the in-process path",
                       argv)
     quick = args.quick
-    pushes = {"int8": 40, "topk": 60, "seed": 12} if quick else {"int8": 200, "topk": 200,
+    pushes = {"int8": 60, "topk": 100, "seed": 16} if quick else {"int8": 200, "topk": 200,
                                                                    "seed": 200}
     report = Report("serverless", quick=quick, params={
         "pushers": PUSHERS, "loads": {k: {"size": v[0], "codec": v[1], "options": v[2]}

@@ -97,6 +97,9 @@ class AggregatorServer:
         ])
         loop = asyncio.get_running_loop()
         self.tier = Tier.for_config(self.core.config, self.core.decoder)
+        warm_up = getattr(self.tier.backend, "warm_up", None)
+        if warm_up is not None:  # the forkserver imports torch now, not in the first push
+            await warm_up()
         self.core.publisher = Publisher(threaded=True)
         self.core.post = loop.call_soon_threadsafe
         self.core.row_extras = self.tier.stats

@@ -143,7 +143,6 @@ class AggregatorCore:
         self.t0 = clock()
         self.last_metrics: dict[str, Any] = {}
         self._listeners: list[Callable[[], None]] = []
-        self._publish_listeners: list[Callable[[int, FlatVector], None]] = []
         #: Runs folds and publishing in order; a server gives it a thread (see publisher.py).
         self.publisher = Publisher(threaded=False)
         #: Runs a function on the thread that owns the core; the server sets it to its loop's
@@ -187,10 +186,6 @@ class AggregatorCore:
         """``fn()`` runs after every state change a waiting client may care about."""
         self._listeners.append(fn)
 
-    def add_publish_listener(self, fn: Callable[[int, FlatVector], None]) -> None:
-        """``fn(version, params)`` runs on the owner's thread when a version is installed."""
-        self._publish_listeners.append(fn)
-
     def _changed(self) -> None:
         for fn in self._listeners:
             fn()
@@ -223,6 +218,12 @@ class AggregatorCore:
         """No more updates are taken: the run is over, or its last version is being made."""
         return self.done or (self.forward is None
                              and self.version + self.publishing >= self.config.max_versions)
+
+    def _finished_message(self) -> str:
+        if self.done:
+            return f"the run finished at version {self.version}; no more updates are taken"
+        return (f"the run's last version ({self.config.max_versions}) is being published; no "
+                f"more updates are taken")
 
     @property
     def takes_partials(self) -> bool:
@@ -355,8 +356,7 @@ class AggregatorCore:
                               f"to learn its outcome")
             rec = self._precheck(header)
             if self.finished:
-                raise FailedPrecondition(f"the run finished at version {self.version}; "
-                                         f"no more updates are taken")
+                raise FailedPrecondition(self._finished_message())
             if header.payload_bytes != payload_bytes:
                 raise InvalidArgument(f"header announces {header.payload_bytes} payload bytes, "
                                       f"{payload_bytes} arrived")
@@ -392,8 +392,7 @@ class AggregatorCore:
         try:
             rec = self._record(header.session)  # the client may have left meanwhile
             if self.finished:
-                raise FailedPrecondition(f"the run finished at version {self.version}; "
-                                         f"no more updates are taken")
+                raise FailedPrecondition(self._finished_message())
             staleness = self.version - header.base_version  # versions may have been published
             self.policy.check_staleness(staleness)
             self.traffic.updates += 1  # counted before the policy may publish a version with it
@@ -545,8 +544,6 @@ class AggregatorCore:
                                for k, v in row.items() if k != "version"))
         if self.forward is None and self.version >= self.config.max_versions:
             self.done = True
-        for fn in self._publish_listeners:
-            fn(version, params)
         self._changed()
 
     def status(self) -> dict[str, Any]:

@@ -96,8 +96,12 @@ class Decoder:
         return codec != PARTIAL_CODEC and self.pool is None and self.codec(codec).needs_reference
 
     def decode(self, codec: str, payload: bytes | bytearray | memoryview, *,
-               reference: FlatVector | None = None) -> Decoded:
-        """Decode and check one payload; :class:`InvalidArgument` says what is wrong."""
+               reference: FlatVector | None = None, out: FlatVector | None = None) -> Decoded:
+        """Decode and check one payload; :class:`InvalidArgument` says what is wrong.
+
+        ``out`` (float32, the model's length) receives a model update in place when given (an
+        aggregation worker's output slab); partials and pool updates ignore it.
+        """
         if codec == PARTIAL_CODEC:
             return self._partial(payload)
         if self.pool is not None:
@@ -108,7 +112,10 @@ class Decoder:
                                      f"trained on, which is no longer kept; train on the "
                                      f"current version")
         try:
-            update = c.decode(payload, self.size, reference=reference)
+            if out is not None and out.shape == (self.size,):
+                update = c.decode_into(payload, out, reference=reference)
+            else:
+                update = c.decode(payload, self.size, reference=reference)
         except CodecError as exc:
             raise InvalidArgument(f"payload does not decode: {exc}") from None
         if update.shape != (self.size,):

@@ -32,7 +32,16 @@ from murmura.server.buffers import DEFAULT_MAX_FREE, BufferPool, ReceiveBuffer
 from murmura.server.config import ServerConfig
 from murmura.server.decoding import Decoded, Decoder
 from murmura.server.errors import ResourceExhausted
-from murmura.server.slabs import OutArray, OutRef, Slab, SlabPool, SlabRef, resolve, write_out
+from murmura.server.slabs import (
+    OutArray,
+    OutRef,
+    Slab,
+    SlabPool,
+    SlabRef,
+    attach,
+    resolve,
+    write_out,
+)
 from murmura.server.workers import FunctionBackend, QueueFull
 
 log = logging.getLogger(__name__)
@@ -42,6 +51,8 @@ RETRY_AFTER_S = 0.5
 #: Published versions kept in shared memory for reference-needing codecs (seed replay).
 REFERENCE_SLABS = 3
 DENSE = "dense-f32"
+#: Idle slabs kept per size class (the slab cap still bounds the total).
+IDLE_SLABS_PER_CLASS = 32
 
 
 @dataclass(frozen=True)
@@ -71,7 +82,10 @@ def decode_job(decoder: Decoder, codec: str, payload: SlabRef | bytes, reference
     ref = None
     if reference is not None:
         ref = np.frombuffer(resolve(reference), dtype=np.float32, count=decoder.size)
-    decoded = decoder.decode(codec, data, reference=ref)
+    target = None
+    if out is not None and codec not in (DENSE, PARTIAL_CODEC) and decoder.pool is None:
+        target = np.frombuffer(attach(out), dtype=np.float32, count=decoder.size)
+    decoded = decoder.decode(codec, data, reference=ref, out=target)
     exact = decoded.limbs is not None
     if exact:
         hi, lo = decoded.limbs  # type: ignore[misc]
@@ -82,8 +96,8 @@ def decode_job(decoder: Decoder, codec: str, payload: SlabRef | bytes, reference
         array, n_values = decoded.values, decoded.values.size
     meta = DecodedMeta(in_place=codec == DENSE and not exact, n_values=n_values,
                        weight=decoded.weight, count=decoded.count, exact=exact)
-    if out is not None and meta.in_place:
-        return meta  # the values are the payload slab's bytes already
+    if out is not None and (meta.in_place or array is target):
+        return meta  # the values are in the payload's or the output's slab already
     return write_out(out, array, meta)
 
 
@@ -106,7 +120,10 @@ class Tier:
         self.inline = backend is None
         #: workers = 0: reused receive buffers, as the gateway had before the tier.
         self.buffers = BufferPool(DEFAULT_MAX_FREE)
-        self.slabs = None if self.inline else SlabPool(int(config.slab_mb * (1 << 20)))
+        # Idle slabs are kept (up to the cap): a new slab costs page faults in the gateway and
+        # in every worker that attaches it, a recycled one nothing.
+        self.slabs = None if self.inline else SlabPool(int(config.slab_mb * (1 << 20)),
+                                                       idle_per_class=IDLE_SLABS_PER_CLASS)
         self._references: OrderedDict[int, Slab] = OrderedDict()
         self._ref_users: dict[int, int] = {}     # decodes in flight per reference version
         self._retired: dict[int, Slab] = {}      # dropped from the cache, still being read

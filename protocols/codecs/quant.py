@@ -109,6 +109,11 @@ class _QuantCodec(Codec):
 
     def decode(self, payload: bytes | memoryview, size: int, *,
                reference: FlatVector | None = None) -> FlatVector:
+        return self.decode_into(payload, np.empty(size, dtype=np.float32))
+
+    def decode_into(self, payload: bytes | memoryview, out: FlatVector, *,
+                    reference: FlatVector | None = None) -> FlatVector:
+        size = out.size
         check_size(self.name, size)
         check_header(self.name, payload, tag=self.tag, flags=self._flags)
         check_payload_length(self.name, payload, self.max_payload_bytes(size))
@@ -127,7 +132,7 @@ class _QuantCodec(Codec):
             bad = int(np.argmax(bad_codes))
             raise CodecError(f"codec {self.name!r}: code {int(codes[bad])} at index {bad} is "
                              f"outside [-{limit}, {limit}]")
-        out = codes.astype(np.float32)
+        np.copyto(out, codes, casting="unsafe")  # int8 codes to float32, in place
         full = (size // self.block) * self.block
         head = out[:full].reshape(-1, self.block)  # a view: scales the full blocks in place
         head *= scales[: size // self.block, None]

@@ -142,6 +142,11 @@ class TopKCodec(Codec):
 
     def decode(self, payload: bytes | memoryview, size: int, *,
                reference: FlatVector | None = None) -> FlatVector:
+        return self.decode_into(payload, np.empty(size, dtype=np.float32))
+
+    def decode_into(self, payload: bytes | memoryview, out: FlatVector, *,
+                    reference: FlatVector | None = None) -> FlatVector:
+        size = out.size
         check_size(self.name, size)
         check_header(self.name, payload, tag=_TAG, flags=self._flags)
         check_payload_length(self.name, payload, self.max_payload_bytes(size))
@@ -149,7 +154,7 @@ class TopKCodec(Codec):
         values = read_floats(self.name, payload, HEADER_BYTES, k, self.value_dtype, "value")
         indices = elias_fano_decode(self.name, payload,
                                     HEADER_BYTES + k * self.value_dtype.itemsize, size, k)
-        out = np.zeros(size, dtype=np.float32)
+        out.fill(0.0)
         out[indices] = values
         return out
 

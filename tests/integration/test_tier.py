@@ -207,24 +207,58 @@ def test_join_and_get_task_answer_while_a_version_is_being_published(serve) -> N
     t.close()
 
 
+def seed_payload(size: int, steps: int) -> bytes:
+    """A zeroth-order update of ``steps`` seeded steps: tiny, but slow to replay."""
+    import torch
+
+    enc = create_codec("seed", {}).encoder(size, seed=1)
+    theta = torch.zeros(size)
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        enc.step(theta, seed=enc.next_seed(), g=float(rng.standard_normal()), lr=1e-3)
+    return enc.encode(np.zeros(size, np.float32))
+
+
+def seed_server(serve, size: int, **cfg) -> ServerThread:  # noqa: ANN003
+    config = ServerConfig(min_clients=1, mode="async", buffer_size=1, max_versions=2,
+                          train=TaskSettings(trainer="zo", codec="seed"), **cfg)
+    spec = ModelSpec((TensorSpec("w", (size,)),))
+    return serve(AggregatorCore(config, spec, np.zeros(size, np.float32)))
+
+
+@pytest.mark.slow
+def test_rpcs_are_answered_while_a_worker_replays_a_slow_seed_update(serve) -> None:
+    """The issue's case: a few hundred bytes that take a long time to decode must not hold
+    the other clients' Join, GetTask and Pull."""
+    size = 1_000_000
+    srv = seed_server(serve, size, max_workers=1)
+    payload = seed_payload(size, 1000)  # about two seconds of replay on the dev VM
+    t = GrpcTransport(srv.address, timeout_s=120)
+    s = t.join("slow", DeviceProfile())[0].session
+    header = UpdateHeader(session=s, update_id="slow-update-1", base_version=0, round=0,
+                          num_examples=1, codec="seed", payload_bytes=len(payload))
+    pusher = threading.Thread(target=t.push, args=(header, payload))
+    pusher.start()
+    backend = srv.server.tier.backend
+    wait_until(lambda: srv.call(lambda: backend.stats()["busy"]) == 1, what="a busy worker")
+    probe = GrpcTransport(srv.address, timeout_s=5)
+    for i in range(5):
+        b = probe.join(f"probe-{i}", DeviceProfile())[0].session
+        assert probe.task(b, 0).action.name == "TRAIN"
+        assert probe.pull(b)[0] == 0
+    assert srv.call(lambda: backend.stats()["busy"]) == 1  # the decode was still running
+    pusher.join(120)
+    assert srv.call(lambda: srv.core.version) == 1
+    probe.close()
+    t.close()
+
+
 @pytest.mark.slow
 def test_a_worker_killed_mid_decode_is_replaced_and_the_update_counted_once(serve) -> None:
     """Seed replay of many steps keeps a worker busy long enough to kill it mid-job."""
-    settings = TaskSettings(trainer="zo", codec="seed")
-    cfg = ServerConfig(min_clients=1, mode="async", buffer_size=1, max_versions=2,
-                       max_workers=1, train=settings)
     size = 400_000
-    spec = ModelSpec((TensorSpec("w", (size,)),))
-    srv = serve(AggregatorCore(cfg, spec, np.zeros(size, np.float32)))
-    import torch
-
-    codec = create_codec("seed", {})
-    enc = codec.encoder(size, seed=1)
-    theta = torch.zeros(size)
-    rng = np.random.default_rng(0)
-    for _ in range(600):
-        enc.step(theta, seed=enc.next_seed(), g=float(rng.standard_normal()), lr=1e-3)
-    payload = enc.encode(np.zeros(size, np.float32))
+    srv = seed_server(serve, size, max_workers=1)
+    payload = seed_payload(size, 600)
     t = GrpcTransport(srv.address, timeout_s=120)
     s = t.join("a", DeviceProfile())[0].session
     header = UpdateHeader(session=s, update_id="kill-me-0001", base_version=0, round=0,

@@ -86,6 +86,23 @@ class TestCodecContract:
         with pytest.raises(CodecError):  # a size whose payload length differs
             _decode(codec, payload, 30_000)
 
+    @pytest.mark.parametrize("size", [1, 1001, 4096])
+    def test_decode_into_writes_exactly_what_decode_returns(self, name: str, size: int) -> None:
+        codec = create_codec(name)
+        payload, decoded = _roundtrip(codec, _vector(size, seed=3))
+        out = np.full(size, np.nan, dtype=np.float32)  # stale garbage must be overwritten
+        reference = np.zeros(size, dtype=np.float32) if codec.needs_reference else None
+        got = codec.decode_into(payload, out, reference=reference)
+        assert got is out
+        assert np.array_equal(out, decoded)
+
+    def test_decode_into_refuses_what_decode_refuses(self, name: str) -> None:
+        codec = create_codec(name)
+        payload, _ = _roundtrip(codec, _vector(300))
+        reference = np.zeros(300, dtype=np.float32) if codec.needs_reference else None
+        with pytest.raises(CodecError):
+            codec.decode_into(payload[:-1], np.empty(300, np.float32), reference=reference)
+
     def test_unknown_options_are_refused(self, name: str) -> None:
         with pytest.raises(CodecError, match="no_such_option|takes no options"):
             create_codec(name, {"no_such_option": "1"})
