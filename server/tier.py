@@ -158,7 +158,7 @@ class Tier:
         """Where a push's payload lands; refused with a retry hint when memory is exhausted."""
         if self.slabs is None:
             return self.buffers.acquire(nbytes)
-        slab = self.slabs.acquire(nbytes)
+        slab = self._acquire(nbytes)
         if slab is None:
             raise self._busy(f"{self.slabs.in_use_bytes / 1e6:.0f} MB of updates are in "
                              f"flight (slab_mb={self.config.slab_mb:g})")
@@ -176,6 +176,16 @@ class Tier:
         if isinstance(lease, ReceiveBuffer):
             return lease.view
         return lease.buf[:nbytes]
+
+    def _acquire(self, nbytes: int) -> Slab | None:
+        """A slab, None while the cap is in use, or a refusal for a size that never fits."""
+        assert self.slabs is not None
+        try:
+            return self.slabs.acquire(nbytes)
+        except ValueError:
+            raise ResourceExhausted(f"{nbytes / 1e6:.0f} MB does not fit the aggregator's "
+                                    f"shared memory at all (slab_mb={self.config.slab_mb:g}); "
+                                    f"the operator must raise slab_mb") from None
 
     def discard(self, lease: ReceiveBuffer | Slab) -> None:
         """The push ended before decoding: give the buffer back."""
@@ -216,7 +226,11 @@ class Tier:
         if header.codec == DENSE:
             out, out_ref = None, OutRef(lease.name, 0, header.payload_bytes)
         else:
-            out = slabs.acquire(out_bytes)
+            try:
+                out = self._acquire(out_bytes)
+            except ResourceExhausted:
+                slabs.release(lease)
+                raise
             if out is None:
                 slabs.release(lease)
                 raise self._busy(f"{slabs.in_use_bytes / 1e6:.0f} MB of updates are in flight")
