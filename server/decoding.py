@@ -81,6 +81,12 @@ class Decoder:
     def pool(self):  # noqa: ANN201 - SeedPool | None, built once per process
         return seed_pool_for(self.settings)
 
+    def __getstate__(self) -> dict[str, object]:
+        # Sent with every job to a worker: leave the cached pool behind (it is rebuilt there).
+        state = dict(self.__dict__)
+        state.pop("pool", None)
+        return state
+
     @property
     def update_size(self) -> int:
         """Length of the vectors the policy aggregates: the model, or K pool coordinates."""

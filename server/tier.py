@@ -171,12 +171,6 @@ class Tier:
         else:
             lease.buf[offset:offset + len(data)] = data
 
-    @staticmethod
-    def view(lease: ReceiveBuffer | Slab, nbytes: int) -> memoryview:
-        if isinstance(lease, ReceiveBuffer):
-            return lease.view
-        return lease.buf[:nbytes]
-
     def _acquire(self, nbytes: int) -> Slab | None:
         """A slab, None while the cap is in use, or a refusal for a size that never fits."""
         assert self.slabs is not None

@@ -74,14 +74,15 @@ def run_sync(serve, *, workers: int, codec: str = "int8", clients: int = 5, vers
         tasks = [t.task(s, 5.0) for s in sessions]
         version = tasks[0].version
 
-        def push(i: int) -> None:
+        def push(i: int, version: int, round_: int) -> None:
             payload = codec_obj.encoder(SIZE, seed=i).encode(update_for(i, version))
             t.push(UpdateHeader(session=sessions[i], update_id=uuid.uuid4().hex[:12],
-                                base_version=version, round=tasks[i].round,
+                                base_version=version, round=round_,
                                 num_examples=10 + i, codec=codec, payload_bytes=len(payload)),
                    payload)
         # reverse start order so that arrivals are out of cohort order
-        threads = [threading.Thread(target=push, args=(i,)) for i in reversed(range(clients))]
+        threads = [threading.Thread(target=push, args=(i, version, tasks[i].round))
+                   for i in reversed(range(clients))]
         for th in threads:
             th.start()
         for th in threads:
