@@ -127,17 +127,19 @@ class _QuantCodec(Codec):
         offset = HEADER_BYTES + nblocks * self.scale_dtype.itemsize
         codes = self._unpack_codes(payload, offset, size)
         limit = self.levels
-        bad_codes = (codes < -limit) | (codes > limit)
-        if bad_codes.any():
-            bad = int(np.argmax(bad_codes))
+        # Two reductions and no temporaries; the index of a bad code is found only when needed.
+        if size and (int(codes.min()) < -limit or int(codes.max()) > limit):
+            bad = int(np.argmax((codes < -limit) | (codes > limit)))
             raise CodecError(f"codec {self.name!r}: code {int(codes[bad])} at index {bad} is "
                              f"outside [-{limit}, {limit}]")
-        np.copyto(out, codes, casting="unsafe")  # int8 codes to float32, in place
+        # code * scale in one pass, straight into out (int8 -> float32 is exact, so this is
+        # bit-identical to converting first and scaling after)
         full = (size // self.block) * self.block
-        head = out[:full].reshape(-1, self.block)  # a view: scales the full blocks in place
-        head *= scales[: size // self.block, None]
+        nfull = size // self.block
+        np.multiply(codes[:full].reshape(nfull, self.block), scales[:nfull, None],
+                    out=out[:full].reshape(nfull, self.block))
         if full < size:
-            out[full:] *= scales[-1]
+            np.multiply(codes[full:], scales[-1], out=out[full:])
         return out
 
 
