@@ -53,12 +53,6 @@ class Decoded:
             return Partial.from_arrays(weight=self.weight, count=self.count, limbs=self.limbs)
         return Partial.from_arrays(weight=self.weight, count=self.count, sum_f32=self.values)
 
-    @property
-    def nbytes(self) -> int:
-        if self.limbs is not None:
-            return int(self.limbs[0].nbytes + self.limbs[1].nbytes)
-        return 0 if self.values is None else int(self.values.nbytes)
-
 
 @functools.lru_cache(maxsize=32)
 def _codec(name: str, options: tuple[tuple[str, str], ...]) -> Codec:

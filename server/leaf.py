@@ -29,7 +29,6 @@ import secrets
 import socket
 import threading
 from pathlib import Path
-from typing import Any
 
 from murmura.aggregation import Aggregator
 from murmura.client import ClientRuntime, GrpcTransport, RemoteError, Trainer, TrainResult
@@ -179,10 +178,6 @@ class Leaf:
             await self.server.stop(grace)
         if self._link is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._link.join, 30)
-
-    def status(self) -> dict[str, Any]:
-        assert self.core is not None
-        return {"name": self.name, **self.core.status()}
 
 
 def _default_name(address: str) -> str:
