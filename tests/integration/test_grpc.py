@@ -31,22 +31,6 @@ def vector_spec(n: int) -> ModelSpec:
     return ModelSpec((TensorSpec("w", (n,)),))
 
 
-@pytest.fixture
-def serve():
-    """serve(core) -> a running loopback server; every server is stopped at teardown."""
-    running: list[ServerThread] = []
-
-    def start(core: AggregatorCore) -> ServerThread:
-        srv = ServerThread(core, "127.0.0.1:0").start()
-        running.append(srv)
-        assert srv.port != 0
-        return srv
-
-    yield start
-    for srv in running:
-        srv.stop(grace=None)
-
-
 def small_core(**cfg) -> AggregatorCore:
     cfg.setdefault("min_clients", 2)
     return AggregatorCore(ServerConfig(**cfg), vector_spec(4), np.zeros(4, np.float32))

@@ -40,20 +40,6 @@ def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "con
         time.sleep(0.02)
 
 
-@pytest.fixture
-def serve():
-    running: list[ServerThread] = []
-
-    def start(core: AggregatorCore) -> ServerThread:
-        srv = ServerThread(core, "127.0.0.1:0").start()
-        running.append(srv)
-        return srv
-
-    yield start
-    for srv in running:
-        srv.stop(grace=None)
-
-
 def update_for(client: int, version: int) -> np.ndarray:
     """A deterministic update per (client, version), with values over many magnitudes."""
     rng = np.random.default_rng([client, version])
