@@ -557,6 +557,15 @@ class ProcessBackend(FunctionBackend):
         assert self._loop is not None
         worker.idle_timer = self._loop.call_later(self.idle_s, self._retire, worker)
 
+    def _leave_idle(self, worker: _Worker) -> None:
+        """The worker is no longer available for jobs: cancel its idle timer, drop it from
+        the idle list (safe to call for a worker that is neither)."""
+        if worker.idle_timer is not None:
+            worker.idle_timer.cancel()
+            worker.idle_timer = None
+        if worker in self._idle:
+            self._idle.remove(worker)
+
     def _retire(self, worker: _Worker) -> None:
         worker.idle_timer = None
         if worker.state is _State.IDLE:
@@ -568,11 +577,7 @@ class ProcessBackend(FunctionBackend):
         if worker.stop_sent:
             return
         worker.stop_sent = True
-        if worker.idle_timer is not None:
-            worker.idle_timer.cancel()
-            worker.idle_timer = None
-        if worker in self._idle:
-            self._idle.remove(worker)
+        self._leave_idle(worker)
         if worker.state is _State.IDLE:
             worker.state = _State.STOPPING
         if worker.state is _State.STARTING:
@@ -695,11 +700,7 @@ class ProcessBackend(FunctionBackend):
         self._on_readable(worker)  # a result it sent just before dying still counts
         self._stop_reading(worker)
         worker.conn.close()
-        if worker.idle_timer is not None:
-            worker.idle_timer.cancel()
-            worker.idle_timer = None
-        if worker in self._idle:
-            self._idle.remove(worker)
+        self._leave_idle(worker)
         if worker.state is _State.STARTING:
             self._starting -= 1
         worker.state_before_exit = worker.state
