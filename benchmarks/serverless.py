@@ -170,8 +170,9 @@ def push_load(address: str, codec: str, payloads: list[bytes]) -> float:
     from murmura.protocols import DeviceProfile, UpdateHeader
 
     transports = [GrpcTransport(address, timeout_s=600) for _ in range(PUSHERS)]
-    sessions = [t.join(f"pusher-{i}", DeviceProfile())[0].session
-                for i, t in enumerate(transports)]
+    joins = [t.join(f"pusher-{i}", DeviceProfile()) for i, t in enumerate(transports)]
+    sessions = [result.session for result, _ in joins]
+    fingerprint = joins[0][1].fingerprint()
     shares = [payloads[i::PUSHERS] for i in range(PUSHERS)]
     errors: list[BaseException] = []
 
@@ -180,7 +181,7 @@ def push_load(address: str, codec: str, payloads: list[bytes]) -> float:
         for payload in shares[i]:
             header = UpdateHeader(session=s, update_id=uuid.uuid4().hex[:12], base_version=0,
                                   round=0, num_examples=10, codec=codec,
-                                  payload_bytes=len(payload))
+                                  payload_bytes=len(payload), spec_fingerprint=fingerprint)
             while True:
                 try:
                     t.push(header, payload)
@@ -239,8 +240,9 @@ def measure(load: str, workers: int, payloads: list[bytes], codec: str, *,
     train = {"codec": codec, "codec_options": options}
     if codec == "seed":
         train["trainer"] = "zo"
-    config = {"mode": "async", "min_clients": 1, "max_versions": 1, "buffer_size": 10**9,
-              "max_staleness": 10**9, "workers": workers, "backend": backend,
+    # The pushers are a load generator, not hostile clients: no per-client rate limit.
+    config = {"push_per_s": 0.0, "mode": "async", "min_clients": 1, "max_versions": 1,
+              "buffer_size": 10**9, "max_staleness": 10**9, "workers": workers, "backend": backend,
               "max_payload_mb": 256, "train": train}
     if workers != 0:
         config["max_workers"] = 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,10 @@ class ServerConfig:
     # limits and identity
     max_payload_mb: float = 1024.0
     join_token: str = ""
+    session_ttl_s: float = 3600.0  # a session unused this long expires (0: never)
+    max_sessions: int = 100_000    # joins beyond this many live sessions are refused
+    join_per_s: float = 1.0        # joins per second per client id, bursts of 10 (0: no limit)
+    push_per_s: float = 10.0       # pushes per second per client id, bursts of 50 (0: no limit)
     seed: int = 0
     # what clients do
     train: TaskSettings = field(default_factory=TaskSettings)
@@ -149,6 +154,12 @@ class ServerConfig:
             raise ValueError(f"server_lr must be positive, got {self.server_lr}")
         if not self.max_payload_mb > 0:
             raise ValueError(f"max_payload_mb must be positive, got {self.max_payload_mb}")
+        for name in ("session_ttl_s", "join_per_s", "push_per_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {value}")
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
 
     def defense_kwargs(self) -> dict[str, Any]:
         """``defense_options`` with numbers parsed (``none`` means None)."""

@@ -37,7 +37,7 @@ from murmura.protocols import (
 from murmura.protocols.pool import seed_pool_for
 from murmura.server.checkpoint import Checkpoint, save_checkpoint
 from murmura.server.config import ServerConfig
-from murmura.server.decoding import PARTIAL_CODEC, Decoded, Decoder
+from murmura.server.decoding import PARTIAL_CODEC, Decoded, Decoder, check_range
 from murmura.server.errors import (
     Aborted,
     FailedPrecondition,
@@ -47,17 +47,33 @@ from murmura.server.errors import (
     ServiceError,
     Unauthenticated,
 )
+from murmura.server.limits import (
+    MAX_ID,
+    MAX_TOKEN,
+    check_header,
+    check_profile,
+    check_session,
+    check_text,
+    quote,
+)
 from murmura.server.model import ModelRule, OptimizerRule, PoolRule
 from murmura.server.outputs import RunRecorder
 from murmura.server.policy import AsyncPolicy, Policy, SyncPolicy
 from murmura.server.pool import PoolState
 from murmura.server.publisher import Publisher
+from murmura.server.ratelimit import RateLimiter
 
 log = logging.getLogger(__name__)
 
 Evaluator = Callable[[FlatVector], dict[str, float]]
-MAX_ID_LENGTH = 128
 SEEN_UPDATES = 100_000
+JOIN_BURST = 10
+PUSH_BURST = 50
+#: What one version's aggregate may hold, as a sum over its updates of max |value| x weight:
+#: below float32's 3.4e38 with headroom, or the exact accumulator's range (sum of max
+#: |contribution| < 2**42, see aggregation/partial.py). Bounding the sum before each fold proves
+#: that no fold overflows, whatever the rule does with weights <= 1 (staleness factors are).
+FOLD_LIMIT = {"float32": 1e38, "exact": 0.99 * 2.0**42}
 REFERENCE_VERSIONS = 3
 
 
@@ -68,6 +84,7 @@ class ClientRecord:
     profile: DeviceProfile
     joined_at: float
     updates: int = 0
+    last_seen: float = 0.0
 
 
 @dataclass
@@ -136,6 +153,10 @@ class AggregatorCore:
         self.sessions: dict[str, ClientRecord] = {}
         self._session_of: dict[str, str] = {}
         self._left: OrderedDict[str, str] = OrderedDict()
+        #: Sessions from least to most recently used, for expiry.
+        self._last_seen: OrderedDict[str, float] = OrderedDict()
+        self._join_limit = RateLimiter(config.join_per_s, JOIN_BURST)
+        self._push_limit = RateLimiter(config.push_per_s, PUSH_BURST)
         self._seen: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._inflight: set[tuple[str, str]] = set()
         self.traffic = Traffic()
@@ -160,6 +181,10 @@ class AggregatorCore:
         self.forward: Forward | None = None
         #: False while a leaf waits for its parent's first model: clients are told to wait.
         self.ready = True
+        #: Sum of max |value| x weight of the updates folded since the last publish; an update
+        #: that would take it past ``fold_limit`` is refused (see FOLD_LIMIT).
+        self.fold_mass = 0.0
+        self.fold_limit = FOLD_LIMIT[config.accumulator]
         #: Extra figures for the metrics row (the serverless tier's workers and queue).
         self.row_extras: Callable[[], dict[str, Any]] | None = None
         self.policy: Policy = SyncPolicy(self) if config.mode == "sync" else AsyncPolicy(self)
@@ -202,16 +227,60 @@ class AggregatorCore:
         return list(self._session_of)
 
     def _record(self, session: str) -> ClientRecord:
+        """The session's client, which is now seen (it expires ``session_ttl_s`` later)."""
+        check_session(session)
         rec = self.sessions.get(session)
         if rec is None:
             if session in self._left:
                 raise Unauthenticated(f"session {session[:8]}… of client "
-                                      f"{self._left[session]!r} has left; join again")
+                                      f"{quote(self._left[session])} has ended (it left or "
+                                      f"expired); join again")
             raise Unauthenticated("unknown session; call Join first")
+        rec.last_seen = self.clock()
+        self._last_seen.pop(session, None)
+        self._last_seen[session] = rec.last_seen
         return rec
 
-    def _refuse(self, status: str) -> None:
-        self.traffic.refused[status] = self.traffic.refused.get(status, 0) + 1
+    def count_refusal(self, refusal: ServiceError | str) -> None:
+        """Count one refused request by its status (the metrics rows report the counts); an
+        error that was counted already is not counted again."""
+        if isinstance(refusal, ServiceError):
+            if refusal.counted:
+                return
+            refusal.counted = True
+            refusal = refusal.status
+        self.traffic.refused[refusal] = self.traffic.refused.get(refusal, 0) + 1
+
+    def _end_session(self, session: str, rec: ClientRecord) -> None:
+        del self.sessions[session]
+        self._last_seen.pop(session, None)
+        if self._session_of.get(rec.client_id) == session:
+            del self._session_of[rec.client_id]
+        self._left[session] = rec.client_id
+        if len(self._left) > SEEN_UPDATES:
+            self._left.popitem(last=False)
+        self.policy.on_leave(rec)
+
+    def expire_sessions(self, now: float) -> int:
+        """End the sessions unused for ``session_ttl_s``; how many ended."""
+        ttl = self.config.session_ttl_s
+        if not ttl:
+            return 0
+        ended = 0
+        while self._last_seen:
+            session, seen = next(iter(self._last_seen.items()))
+            if now - seen < ttl:
+                break
+            self._last_seen.popitem(last=False)
+            rec = self.sessions.get(session)
+            if rec is not None:
+                self._end_session(session, rec)
+                log.info("session of client %s expired after %.0f s unused", rec.client_id,
+                         now - seen)
+                ended += 1
+        if ended:
+            self._changed()
+        return ended
 
     @property
     def finished(self) -> bool:
@@ -234,19 +303,42 @@ class AggregatorCore:
 
     def join(self, client_id: str, profile: DeviceProfile, *, token: str = "",
              protocol_version: int = PROTOCOL_VERSION) -> JoinResult:
-        if not client_id or len(client_id) > MAX_ID_LENGTH or not client_id.isprintable():
-            raise InvalidArgument(f"client_id must be 1..{MAX_ID_LENGTH} printable characters")
+        try:
+            return self._join(client_id, profile, token, protocol_version)
+        except ServiceError as exc:
+            self.count_refusal(exc)
+            raise
+
+    def _join(self, client_id: str, profile: DeviceProfile, token: str,
+              protocol_version: int) -> JoinResult:
+        check_text("client_id", client_id, MAX_ID)
+        check_text("token", token, MAX_TOKEN, allow_empty=True)
+        check_profile(profile)
         if protocol_version not in (0, PROTOCOL_VERSION):
             raise FailedPrecondition(f"client speaks protocol {protocol_version}; this server "
                                      f"speaks {PROTOCOL_VERSION}")
         if self.config.join_token and not hmac.compare_digest(token.encode(),
                                                               self.config.join_token.encode()):
             raise PermissionDenied("join token is missing or wrong")
+        now = self.clock()
+        wait = self._join_limit.allow(client_id, now)
+        if wait:
+            raise ResourceExhausted(f"client {quote(client_id)} joins too often (at most "
+                                    f"{self.config.join_per_s:g} per second)",
+                                    retry_after_s=wait)
         old = self._session_of.get(client_id)
         if old is not None:  # a restarted client takes over its identity
             self.sessions.pop(old, None)
+            self._last_seen.pop(old, None)
+        elif len(self.sessions) >= self.config.max_sessions:
+            self.expire_sessions(now)
+            if len(self.sessions) >= self.config.max_sessions:
+                raise ResourceExhausted(f"the server holds its maximum of "
+                                        f"{self.config.max_sessions} sessions; try later",
+                                        retry_after_s=30.0)
         session = secrets.token_urlsafe(16)  # 128 bits in 22 characters
-        self.sessions[session] = ClientRecord(session, client_id, profile, self.clock())
+        self.sessions[session] = ClientRecord(session, client_id, profile, now, last_seen=now)
+        self._last_seen[session] = now
         self._session_of[client_id] = session
         log.info("client %s joined (%s)", client_id, profile.device)
         self._changed()
@@ -254,25 +346,33 @@ class AggregatorCore:
                           max_payload_bytes=self.config.max_payload_bytes)
 
     def task(self, session: str) -> Task:
-        rec = self._record(session)
+        rec = self._checked(self._record, session)
         return self.policy.task_for(rec)
 
     def model(self, session: str) -> tuple[int, FlatVector]:
         """The current global version and vector (never modified in place: safe to stream)."""
-        self._record(session)
+        self._checked(self._record, session)
         return self.version, self.params
+
+    def _checked(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, counting a refusal by its status."""
+        try:
+            return fn(*args)
+        except ServiceError as exc:
+            self.count_refusal(exc)
+            raise
 
     def pool_base(self, session: str) -> tuple[int, FlatVector]:
         """The seed pool's base model and the version it was taken at (read-only)."""
-        self._record(session)
-        pool = self._require_pool()
+        self._checked(self._record, session)
+        pool = self._checked(self._require_pool)
         return pool.base_version, pool.base
 
     def pool_scalars(self, session: str) -> tuple[int, int, FlatVector]:
         """``(version, base_version, scalars)``: the K numbers that, replayed on the base with
         ``apply_pool``, give the current global model exactly."""
-        self._record(session)
-        pool = self._require_pool()
+        self._checked(self._record, session)
+        pool = self._checked(self._require_pool)
         return self.version, pool.base_version, self._pool_scalars
 
     def _require_pool(self) -> PoolState:
@@ -304,29 +404,22 @@ class AggregatorCore:
         try:
             return self._precheck(header)
         except ServiceError as exc:
-            self._refuse(exc.status)
+            self.count_refusal(exc)
             raise
 
     def _precheck(self, header: UpdateHeader) -> ClientRecord:
+        check_header(header)
         rec = self._record(header.session)
-        if not header.update_id or len(header.update_id) > MAX_ID_LENGTH:
-            raise InvalidArgument(f"update_id must be 1..{MAX_ID_LENGTH} characters")
-        if header.payload_bytes < 0:
-            raise InvalidArgument(f"payload_bytes must be >= 0, got {header.payload_bytes}")
         if header.payload_bytes > self.config.max_payload_bytes:
             raise ResourceExhausted(f"payload of {header.payload_bytes} bytes exceeds the limit "
                                     f"of {self.config.max_payload_bytes}")
-        if header.num_examples <= 0:
-            raise InvalidArgument(f"num_examples must be positive, got {header.num_examples}")
-        if header.spec_fingerprint and header.spec_fingerprint != self.fingerprint:
+        if header.spec_fingerprint != self.fingerprint:
             raise FailedPrecondition(f"update was trained for model spec "
-                                     f"{header.spec_fingerprint}; this server's is "
+                                     f"{quote(header.spec_fingerprint)}; this server's is "
                                      f"{self.fingerprint}")
         if header.base_version > self.version:
             raise InvalidArgument(f"base version {header.base_version} is in the future "
                                   f"(global version is {self.version})")
-        if header.base_version < 0:
-            raise InvalidArgument(f"base version must be >= 0, got {header.base_version}")
         if header.codec == PARTIAL_CODEC and not self.takes_partials:
             raise FailedPrecondition(
                 f"this aggregator's rule {self.config.defense!r} needs every update, so a "
@@ -347,6 +440,11 @@ class AggregatorCore:
         self.traffic.bytes_up += wire_bytes  # refused updates crossed the wire too
         try:
             rec = self._record(header.session)
+            wait = self._push_limit.allow(rec.client_id, self.clock())
+            if wait:
+                raise ResourceExhausted(f"client {quote(rec.client_id)} pushes too often (at "
+                                        f"most {self.config.push_per_s:g} per second)",
+                                        retry_after_s=wait)
             key = (rec.client_id, header.update_id)
             if key in self._seen:
                 return rec, PushResult(duplicate=True, version=self.version,
@@ -361,7 +459,7 @@ class AggregatorCore:
                 raise InvalidArgument(f"header announces {header.payload_bytes} payload bytes, "
                                       f"{payload_bytes} arrived")
         except ServiceError as exc:
-            self._refuse(exc.status)
+            self.count_refusal(exc)
             raise
         self._inflight.add(key)
         return rec, None
@@ -376,7 +474,7 @@ class AggregatorCore:
         """Decoding failed: count the refusal and forget the update (a retry may come)."""
         self._inflight.discard(self._key(header))
         if isinstance(exc, ServiceError):
-            self._refuse(exc.status)
+            self.count_refusal(exc)
 
     def _key(self, header: UpdateHeader) -> tuple[str, str]:
         rec = self.sessions.get(header.session)
@@ -395,15 +493,24 @@ class AggregatorCore:
                 raise FailedPrecondition(self._finished_message())
             staleness = self.version - header.base_version  # versions may have been published
             self.policy.check_staleness(staleness)
-            self.traffic.updates += 1  # counted before the policy may publish a version with it
+            mass = decoded.max_abs * (1.0 if decoded.is_partial else float(header.num_examples))
+            if self.fold_mass + mass > self.fold_limit:
+                raise InvalidArgument(
+                    f"update too large to aggregate: max |value| x num_examples = {mass:.3g} "
+                    f"would take this version's aggregate past {self.fold_limit:.3g} (its "
+                    f"range, with {self.fold_mass:.3g} already taken)")
+            # counted before the policy may publish a version with it (which resets the mass)
+            self.traffic.updates += 1
+            self.fold_mass += mass
             try:
                 self.policy.accept(rec, header, decoded, staleness, release)
                 taken = True
             except BaseException:
                 self.traffic.updates -= 1
+                self.fold_mass -= mass
                 raise
         except ServiceError as exc:
-            self._refuse(exc.status)
+            self.count_refusal(exc)
             raise
         finally:
             if not taken and release is not None:
@@ -416,20 +523,16 @@ class AggregatorCore:
         return PushResult(duplicate=False, version=self.version, staleness=staleness)
 
     def leave(self, session: str) -> None:
-        rec = self._record(session)
-        del self.sessions[session]
-        if self._session_of.get(rec.client_id) == session:
-            del self._session_of[rec.client_id]
-        self._left[session] = rec.client_id
-        if len(self._left) > SEEN_UPDATES:
-            self._left.popitem(last=False)
-        self.policy.on_leave(rec)
+        rec = self._checked(self._record, session)
+        self._end_session(session, rec)
         log.info("client %s left", rec.client_id)
         self._changed()
 
     def tick(self) -> None:
-        """Enforce deadlines; the transport calls this periodically."""
-        self.policy.tick(self.clock())
+        """Enforce deadlines and expire idle sessions; the transport calls this periodically."""
+        now = self.clock()
+        self.expire_sessions(now)
+        self.policy.tick(now)
 
     def add_download(self, nbytes: int) -> None:
         self.traffic.bytes_down += nbytes
@@ -464,6 +567,7 @@ class AggregatorCore:
         submitted before; the new version is installed on the owner's thread when they are done.
         """
         self.publishing += 1
+        self.fold_mass = 0.0  # later folds go into the next aggregate (the publisher is FIFO)
         if self.forward is not None:
             forward = self.forward
             self.publisher.submit(lambda: forward(aggregator, updates))
@@ -476,6 +580,7 @@ class AggregatorCore:
             "bytes_up": self.traffic.bytes_up,
             "bytes_down": self.traffic.bytes_down,
             "clients": len(self.sessions),
+            "refused": dict(sorted(self.traffic.refused.items())),  # by gRPC status
         }
         if self.row_extras is not None:
             row.update(self.row_extras())
@@ -492,7 +597,12 @@ class AggregatorCore:
             delta = aggregator.result()
         finally:
             aggregator.reset()
-        params = self.rule.advance(self._pub_params, delta)  # ValueError: dropped
+        with np.errstate(over="ignore", invalid="ignore"):  # checked just below
+            params = self.rule.advance(self._pub_params, delta)  # ValueError: dropped
+        try:
+            check_range(params, "the new global model")
+        except ServiceError as exc:  # e.g. a server optimizer's step overflowed
+            raise ValueError(f"{exc.message}; the version is dropped") from None
         t1 = time.perf_counter()
         self._pub_params = params
         self._pub_version += 1

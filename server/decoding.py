@@ -41,6 +41,9 @@ class Decoded:
     weight: float | None = None
     count: int = 1
     limbs: tuple[np.ndarray, np.ndarray] | None = None
+    #: The largest magnitude among the values (a bound for exact limbs): the core bounds what
+    #: one version's aggregate can reach with it, so no fold can overflow.
+    max_abs: float = 0.0
 
     @property
     def is_partial(self) -> bool:
@@ -105,7 +108,8 @@ class Decoder:
         if codec == PARTIAL_CODEC:
             return self._partial(payload)
         if self.pool is not None:
-            return Decoded(self._pool_update(codec, payload))
+            coefficients = self._pool_update(codec, payload)
+            return Decoded(coefficients, max_abs=check_range(coefficients, "update"))
         c = self.codec(codec)
         if c.needs_reference and reference is None:
             raise FailedPrecondition(f"codec {codec!r} needs the model version the update was "
@@ -120,8 +124,7 @@ class Decoder:
             raise InvalidArgument(f"payload does not decode: {exc}") from None
         if update.shape != (self.size,):
             raise InvalidArgument(f"update has {update.size} values; the model has {self.size}")
-        check_finite(update, "update")
-        return Decoded(update)
+        return Decoded(update, max_abs=check_range(update, "update"))
 
     def _pool_update(self, codec: str, payload: bytes | bytearray | memoryview) -> FlatVector:
         """A pool run's update: the K coefficients its steps applied along the pool seeds."""
@@ -147,25 +150,30 @@ class Decoder:
         except CodecError as exc:
             raise InvalidArgument(f"partial aggregate does not decode: {exc}") from None
         if p.exact:
-            return Decoded(None, weight=p.weight, count=p.count, limbs=p.limbs)
+            hi = p.limbs[0]
+            # value = hi 2**-20 + lo 2**-80 with 0 <= lo < 2**60: |value| < (|hi| + 1) 2**-20
+            top = float(max(int(hi.max()), -int(hi.min()))) + 1.0 if hi.size else 0.0
+            return Decoded(None, weight=p.weight, count=p.count, limbs=p.limbs,
+                           max_abs=top * 2.0 ** -20)
         assert p.sum_f32 is not None
-        check_finite(p.sum_f32, "partial aggregate")
-        return Decoded(p.sum_f32, weight=p.weight, count=p.count)
+        return Decoded(p.sum_f32, weight=p.weight, count=p.count,
+                       max_abs=check_range(p.sum_f32, "partial aggregate"))
 
 
-def check_finite(values: FlatVector, what: str) -> None:
-    """Refuse NaN and Inf with the first bad index.
+def check_range(values: FlatVector, what: str) -> float:
+    """The largest |value|, refusing NaN and Inf with the first bad index.
 
-    NaN and Inf propagate through a sum, so a finite sum proves every value finite in one pass
-    without a mask; only a non-finite sum (or an overflow) needs the exact check.
+    NaN propagates through ``max`` and ``min``, so two reductions without a mask both find the
+    magnitude and prove every value finite; only a bad vector needs the exact search.
     """
-    with np.errstate(over="ignore", invalid="ignore"):
-        total = np.add.reduce(values, dtype=np.float32)
-    if not np.isfinite(total):
+    if values.size == 0:
+        return 0.0
+    top = max(float(np.max(values)), -float(np.min(values)))
+    if not np.isfinite(top):
         finite = np.isfinite(values)
-        if not finite.all():
-            bad = int(np.flatnonzero(~finite)[0])
-            raise InvalidArgument(f"{what} contains NaN or Inf (first at index {bad})")
+        bad = int(np.flatnonzero(~finite)[0]) if not finite.all() else 0
+        raise InvalidArgument(f"{what} contains NaN or Inf (first at index {bad})")
+    return top
 
 
-__all__ = ["PARTIAL_CODEC", "Decoded", "Decoder", "check_finite"]
+__all__ = ["PARTIAL_CODEC", "Decoded", "Decoder", "check_range"]

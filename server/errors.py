@@ -18,6 +18,8 @@ class ServiceError(Exception):
         self.message = message
         #: Set on refusals that go away by themselves (back-pressure): when to try again.
         self.retry_after_s = retry_after_s
+        #: Whether the refusal was counted already (each is counted once, wherever it surfaces).
+        self.counted = False
 
     def __reduce__(self) -> tuple:  # cross process boundaries (worker processes) intact
         return (_rebuild, (type(self), self.message, self.retry_after_s))

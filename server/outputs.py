@@ -43,6 +43,7 @@ class RunRecorder:
             "updates": last.get("updates", 0),
             "bytes_up": last.get("bytes_up", 0),
             "bytes_down": last.get("bytes_down", 0),
+            "refused": last.get("refused", {}),
             "config": self.config,
         }
         summary.update(extra or {})

@@ -38,7 +38,8 @@ def small_core(**cfg) -> AggregatorCore:
 
 def header(session: str, payload: bytes, **kw) -> UpdateHeader:
     base = dict(session=session, update_id=uuid.uuid4().hex, base_version=0, round=1,
-                num_examples=5, codec="dense-f32", payload_bytes=len(payload))
+                num_examples=5, codec="dense-f32", payload_bytes=len(payload),
+                spec_fingerprint=vector_spec(4).fingerprint())
     base.update(kw)
     return UpdateHeader(**base)
 
@@ -126,7 +127,7 @@ def test_a_plain_generated_stub_interoperates(serve) -> None:
         payload = np.full(4, 3.0, "<f4").tobytes()
         chunks = [pb.UpdateChunk(header=pb.UpdateHeader(
             session=join.session, update_id="x", num_examples=1, codec="dense-f32",
-            payload_bytes=len(payload))), pb.UpdateChunk(data=payload[:6]),
+            payload_bytes=len(payload), spec_fingerprint=vector_spec(4).fingerprint())), pb.UpdateChunk(data=payload[:6]),
             pb.UpdateChunk(data=payload[6:])]
         assert stub.Push(iter(chunks), timeout=5).version == 1
         model = list(stub.Pull(pb.PullRequest(session=join.session), timeout=5))
@@ -157,7 +158,7 @@ def test_models_larger_than_a_grpc_message_stream_both_ways(serve, n_values) -> 
     update = np.full(n_values, 0.5, np.float32)
     update[-1] = 2.0
     payload = update.tobytes()
-    t.push(header(a.session, payload, round=0), payload)
+    t.push(header(a.session, payload, round=0, spec_fingerprint=spec.fingerprint()), payload)
     version, params = t.pull(a.session)
     assert version == 1 and params.shape == (n_values,)
     assert params[0] == 0.5 and params[-1] == 2.0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from murmura.client import ClientRuntime, FunctionTrainer, GrpcTransport, RemoteError, RetryPolicy
-from murmura.protocols import DeviceProfile, UpdateHeader
+from murmura.protocols import DeviceProfile, ModelSpec, UpdateHeader
 from murmura.protocols.codecs.partial import encode_partial
 from murmura.server import ServerConfig, ServerThread, build_core
 from murmura.server.leaf import Leaf
@@ -19,6 +19,7 @@ from murmura.tasks import TaskConfig, load_task
 pytestmark = pytest.mark.integration
 
 TASK = TaskConfig(task="digits", model="mlp", partition="iid")
+TASK_FINGERPRINT = ModelSpec.from_module(load_task(TASK).build_model(seed=0)).fingerprint()
 VERSIONS = 3
 
 
@@ -115,11 +116,12 @@ def top():
         yield srv
 
 
-def _push_partial(t: GrpcTransport, session: str, payload: bytes, *, base_version: int = 0
-                  ) -> object:
+def _push_partial(t: GrpcTransport, session: str, payload: bytes, *, base_version: int = 0,
+                  fingerprint: str = TASK_FINGERPRINT) -> object:
     return t.push(UpdateHeader(session=session, update_id=uuid.uuid4().hex[:12],
                                base_version=base_version, round=0, num_examples=4,
-                               codec="partial", payload_bytes=len(payload)), payload)
+                               codec="partial", payload_bytes=len(payload),
+                               spec_fingerprint=fingerprint), payload)
 
 
 def test_bad_partials_are_refused_and_the_model_is_unchanged(top) -> None:

@@ -64,7 +64,8 @@ def run_sync(serve, *, workers: int, codec: str = "int8", clients: int = 5, vers
             payload = codec_obj.encoder(SIZE, seed=i).encode(update_for(i, version))
             t.push(UpdateHeader(session=sessions[i], update_id=uuid.uuid4().hex[:12],
                                 base_version=version, round=round_,
-                                num_examples=10 + i, codec=codec, payload_bytes=len(payload)),
+                                num_examples=10 + i, codec=codec, payload_bytes=len(payload),
+                                spec_fingerprint=vector_spec().fingerprint()),
                    payload)
         # reverse start order so that arrivals are out of cohort order
         threads = [threading.Thread(target=push, args=(i, version, tasks[i].round))
@@ -106,7 +107,8 @@ def _push(t: GrpcTransport, session: str, version: int = 0, value: float = 1.0,
     payload = np.full(SIZE, value, "<f4").tobytes()
     return t.push(UpdateHeader(session=session, update_id=update_id or uuid.uuid4().hex[:12],
                                base_version=version, round=0, num_examples=1,
-                               codec="dense-f32", payload_bytes=len(payload)), payload)
+                               codec="dense-f32", payload_bytes=len(payload),
+                               spec_fingerprint=vector_spec().fingerprint()), payload)
 
 
 def test_idle_workers_stop_and_the_pool_scales_from_zero(serve) -> None:
@@ -223,7 +225,8 @@ def test_rpcs_are_answered_while_a_worker_replays_a_slow_seed_update(serve) -> N
     t = GrpcTransport(srv.address, timeout_s=120)
     s = t.join("slow", DeviceProfile())[0].session
     header = UpdateHeader(session=s, update_id="slow-update-1", base_version=0, round=0,
-                          num_examples=1, codec="seed", payload_bytes=len(payload))
+                          num_examples=1, codec="seed", payload_bytes=len(payload),
+                          spec_fingerprint=vector_spec(size).fingerprint())
     pusher = threading.Thread(target=t.push, args=(header, payload))
     pusher.start()
     backend = srv.server.tier.backend
@@ -249,7 +252,8 @@ def test_a_worker_killed_mid_decode_is_replaced_and_the_update_counted_once(serv
     t = GrpcTransport(srv.address, timeout_s=120)
     s = t.join("a", DeviceProfile())[0].session
     header = UpdateHeader(session=s, update_id="kill-me-0001", base_version=0, round=0,
-                          num_examples=1, codec="seed", payload_bytes=len(payload))
+                          num_examples=1, codec="seed", payload_bytes=len(payload),
+                          spec_fingerprint=vector_spec(size).fingerprint())
     result: list[object] = []
     pusher = threading.Thread(target=lambda: result.append(t.push(header, payload)))
     pusher.start()
@@ -289,7 +293,8 @@ def test_the_ray_backend_decodes_like_the_in_process_path(serve) -> None:
                 t.push(UpdateHeader(session=sessions[i], update_id=uuid.uuid4().hex[:12],
                                     base_version=version, round=tasks[i].round,
                                     num_examples=10 + i, codec="int8",
-                                    payload_bytes=len(payload)), payload)
+                                    payload_bytes=len(payload),
+                                    spec_fingerprint=vector_spec().fingerprint()), payload)
         assert t.pull(sessions[0])[0] == 2
         assert np.array_equal(t.pull(sessions[0])[1], inline)
         assert srv.call(lambda: srv.server.tier.backend.stats()["jobs_done"]) == 6

@@ -44,13 +44,15 @@ def make_core(clock=None, **cfg) -> AggregatorCore:
 
 
 def push(core, session, update, *, uid=None, base=None, n=10, codec="dense-f32", round_=None,
-         payload=None, fingerprint=""):
+         payload=None, fingerprint=None):
     payload = np.asarray(update, "<f4").tobytes() if payload is None else payload
     task_round = getattr(core.policy, "round", 0) if round_ is None else round_
     header = UpdateHeader(session=session, update_id=uid or f"u{np.random.randint(1 << 30)}",
                           base_version=core.version if base is None else base,
                           round=task_round, num_examples=n, codec=codec,
-                          payload_bytes=len(payload), spec_fingerprint=fingerprint)
+                          payload_bytes=len(payload),
+                          spec_fingerprint=core.fingerprint if fingerprint is None
+                          else fingerprint)
     return core.push(header, payload, wire_bytes=len(payload))
 
 
@@ -133,7 +135,7 @@ def test_unknown_and_departed_sessions_are_unauthenticated() -> None:
     with pytest.raises(Unauthenticated, match="call Join first"):
         push(core, "nope", [0, 0, 0, 0])
     core.leave(a)
-    with pytest.raises(Unauthenticated, match="has left"):
+    with pytest.raises(Unauthenticated, match="has ended"):
         core.task(a)
 
 
@@ -146,7 +148,8 @@ def test_oversize_payload_is_resource_exhausted() -> None:
     assert core.traffic.refused == {"RESOURCE_EXHAUSTED": 1}
     # a transport that refuses on the header alone (as the gRPC servicer does) counts it too
     header = UpdateHeader(session=a, update_id="big", base_version=0, round=0, num_examples=1,
-                          codec="dense-f32", payload_bytes=16)
+                          codec="dense-f32", payload_bytes=16,
+                          spec_fingerprint=core.fingerprint)
     with pytest.raises(ResourceExhausted):
         core.precheck(header)
     assert core.traffic.refused == {"RESOURCE_EXHAUSTED": 2}

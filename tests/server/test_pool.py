@@ -136,9 +136,10 @@ def _join(core: AggregatorCore) -> str:
     return core.join(f"c-{uuid.uuid4().hex[:6]}", DeviceProfile()).session
 
 
-def _header(session: str, payload: bytes, codec: str) -> UpdateHeader:
+def _header(core: AggregatorCore, session: str, payload: bytes, codec: str) -> UpdateHeader:
     return UpdateHeader(session=session, update_id=uuid.uuid4().hex, base_version=0,
-                        num_examples=10, codec=codec, payload_bytes=len(payload), round=1)
+                        num_examples=10, codec=codec, payload_bytes=len(payload), round=1,
+                        spec_fingerprint=core.fingerprint)
 
 
 def _seed_payload(options: dict[str, str], seeds: list[int]) -> bytes:
@@ -169,7 +170,7 @@ def test_pool_run_refuses_other_updates_and_keeps_its_model(digits, case: str) -
 
     # Execute
     with pytest.raises(ServiceError) as info:
-        core.push(_header(session, payload, codec), payload)
+        core.push(_header(core, session, payload, codec), payload)
 
     # Assert: a precise refusal; nothing moved
     assert info.value.status == "INVALID_ARGUMENT"
@@ -179,7 +180,7 @@ def test_pool_run_refuses_other_updates_and_keeps_its_model(digits, case: str) -
     assert core.pool is not None and not core.pool.scalars.any()
     # ... and a good pool update is still taken afterwards
     good = _seed_payload(settings.codec_options, [pool.seeds[3]])
-    core.push(_header(session, good, "seed"), good)
+    core.push(_header(core, session, good, "seed"), good)
     assert core.version == 1 and core.pool.scalars[3] != 0
 
 

@@ -119,7 +119,8 @@ def _push(t: GrpcTransport, session: str, update: np.ndarray, *, n: int, round_:
     payload = update.astype("<f4").tobytes()
     header = UpdateHeader(session=session, update_id=uuid.uuid4().hex, base_version=base,
                           round=round_, num_examples=n, codec="dense-f32",
-                          payload_bytes=len(payload))
+                          payload_bytes=len(payload),
+                          spec_fingerprint=ModelSpec((TensorSpec("w", (P,)),)).fingerprint())
     result = t.push(header, payload)
     assert not result.duplicate
 

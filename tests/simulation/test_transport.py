@@ -46,5 +46,5 @@ def test_a_round_trip_pulls_a_copy_and_counts_the_grpc_bytes(hub: LocalAggregato
     assert t.bytes_up == hub.core.traffic.bytes_up == update_wire_bytes(header)
     assert t.push(header, payload).duplicate  # a retried push counts once
     t.leave(result.session)
-    with pytest.raises(RemoteError, match="has left"):
+    with pytest.raises(RemoteError, match="has ended"):
         t.pull(result.session)
