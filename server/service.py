@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
@@ -19,6 +21,7 @@ from murmura.protocols.pool import POOL_SCALARS_CODEC
 from murmura.server.buffers import ReceiveBuffer
 from murmura.server.core import AggregatorCore
 from murmura.server.errors import InvalidArgument, ServiceError
+from murmura.server.limits import MAX_TEXT, check_number, check_text
 from murmura.server.slabs import Slab
 from murmura.server.tier import Tier
 
@@ -32,6 +35,55 @@ MAX_WAIT_S = 30.0
 RETRY_AFTER_KEY = "murmura-retry-after-ms"
 
 
+class Malformed:
+    """What a request deserializer returns for bytes that are not the expected message.
+
+    gRPC answers a deserializer's exception with a bare status and a traceback in the server's
+    log (tens of MB from a fuzzer); returning this marker lets the handler refuse with
+    INVALID_ARGUMENT and a short message instead.
+    """
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+
+def tolerant(parse: Callable[[bytes], Any], what: str) -> Callable[[bytes], Any]:
+    """``parse`` that returns :class:`Malformed` instead of raising."""
+    def run(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except Exception:  # noqa: BLE001 - any parse failure is the sender's malformed input
+            return Malformed(what)
+    return run
+
+
+class LogLimiter:
+    """At most ``per_minute`` log lines per kind of refusal, then one line saying how many were
+    left out: a flood of bad requests cannot flood the log."""
+
+    def __init__(self, per_minute: int = 20, *, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.per_minute = per_minute
+        self.clock = clock
+        self._window: dict[str, tuple[float, int, int]] = {}  # kind -> (start, logged, dropped)
+
+    def log(self, kind: str, msg: str, *args: object) -> None:
+        now = self.clock()
+        start, logged, dropped = self._window.get(kind, (now, 0, 0))
+        if now - start >= 60.0:
+            if dropped:
+                log.info("%d more %s refusals in the last minute were not logged", dropped, kind)
+            start, logged, dropped = now, 0, 0
+        if logged < self.per_minute:
+            log.info(msg, *args)
+            logged += 1
+        else:
+            dropped += 1
+        self._window[kind] = (start, logged, dropped)
+
+
 class AggregatorServicer(pb_grpc.AggregatorServicer):
     def __init__(self, core: AggregatorCore, *, tier: Tier | None = None,
                  chunk_bytes: int = serde.CHUNK_BYTES) -> None:
@@ -40,6 +92,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         #: Where payloads land and who decodes them (in-process unless a tier is given).
         self.tier = tier or Tier(dataclasses.replace(core.config, workers=0), core.decoder)
         self._event: asyncio.Event | None = None
+        self.log_limit = LogLimiter()
         core.add_listener(self._notify)
 
     @property
@@ -56,8 +109,21 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             self._event = asyncio.Event()
         return self._event
 
-    @staticmethod
-    async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
+    async def _refuse_malformed(self, context: grpc.aio.ServicerContext, bad: Malformed) -> None:
+        self.core.count_refusal("INVALID_ARGUMENT")
+        self.log_limit.log("malformed", "malformed request refused: %s", bad.what)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{bad.what} does not parse")
+
+    async def _checked(self, context: grpc.aio.ServicerContext, check: Callable[[], Any]) -> None:
+        """Run a field check; refuse if it fails."""
+        try:
+            check()
+        except ServiceError as exc:
+            await self._abort(context, exc)
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
+        """Answer a refusal (counted here unless the core counted it)."""
+        self.core.count_refusal(exc)
         if exc.retry_after_s is not None:
             context.set_trailing_metadata(((RETRY_AFTER_KEY,
                                             str(int(1000 * exc.retry_after_s))),))
@@ -65,6 +131,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
                    ) -> pb.JoinReply:
+        if isinstance(request, Malformed):
+            await self._refuse_malformed(context, request)
         try:
             result = self.core.join(request.client_id, serde.profile_from_proto(request.profile),
                                     token=request.token,
@@ -75,6 +143,9 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     async def GetTask(self, request: pb.TaskRequest, context: grpc.aio.ServicerContext
                       ) -> pb.TaskReply:
+        if isinstance(request, Malformed):
+            await self._refuse_malformed(context, request)
+        await self._checked(context, lambda: check_number("wait_s", request.wait_s))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
         while True:
@@ -93,6 +164,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext
                    ) -> AsyncIterator[pb.ModelChunk | memoryview]:
+        if isinstance(request, Malformed):
+            await self._refuse_malformed(context, request)
         kind = request.kind
         try:
             if kind == pb.PullRequest.MODEL:
@@ -126,6 +199,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         tier, core = self.tier, self.core
         try:
             async for item in request_iterator:
+                if isinstance(item, Malformed):
+                    raise InvalidArgument(f"{item.what} does not parse")
                 # Payload chunks arrive as zero-copy views (serde.deserialize_update_item).
                 kind = "data" if isinstance(item, memoryview) else item.WhichOneof("kind")
                 if header is None:
@@ -142,7 +217,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                     end = received + len(data)
                     wire += serde.data_chunk_wire_bytes(len(data))
                     if end > header.payload_bytes:
-                        raise InvalidArgument(f"more payload than the {header.payload_bytes} "
+                            raise InvalidArgument(f"more payload than the {header.payload_bytes} "
                                               f"bytes the header announced")
                     assert lease is not None
                     tier.write(lease, received, data)
@@ -165,6 +240,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             except BaseException as exc:
                 core.abort_push(header, exc)
                 raise
+            if context.cancelled():  # the client gave up: it must not count (it may retry)
+                if release is not None:
+                    release()
+                core.abort_push(header, asyncio.CancelledError())
+                raise asyncio.CancelledError()
             publishes = core.publishes
             result = core.finish_push(header, decoded, release=release)
             del decoded, release  # the fold releases the buffers once nothing holds them
@@ -178,7 +258,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 await asyncio.sleep(0)  # let the install scheduled before us run
                 result = dataclasses.replace(result, version=core.version)
         except ServiceError as exc:
-            log.info("push refused: %s %s", exc.status, exc.message)
+            self.log_limit.log(exc.status, "push refused: %s %s", exc.status, exc.message)
             await self._abort(context, exc)
         finally:
             if lease is not None:
@@ -187,6 +267,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
                     ) -> pb.LeaveReply:
+        if isinstance(request, Malformed):
+            await self._refuse_malformed(context, request)
+        await self._checked(context, lambda: check_text("reason", request.reason, MAX_TEXT,
+                                                        allow_empty=True))
         try:
             self.core.leave(request.session)
         except ServiceError as exc:
@@ -202,19 +286,22 @@ def add_servicer(servicer: AggregatorServicer, server: grpc.aio.Server) -> None:
     that Push and Pull frame payload chunks themselves (see ``serde.frame_data``)."""
     handlers = {
         "Join": grpc.unary_unary_rpc_method_handler(
-            servicer.Join, request_deserializer=pb.JoinRequest.FromString,
+            servicer.Join, request_deserializer=tolerant(pb.JoinRequest.FromString, "JoinRequest"),
             response_serializer=pb.JoinReply.SerializeToString),
         "GetTask": grpc.unary_unary_rpc_method_handler(
-            servicer.GetTask, request_deserializer=pb.TaskRequest.FromString,
+            servicer.GetTask,
+            request_deserializer=tolerant(pb.TaskRequest.FromString, "TaskRequest"),
             response_serializer=pb.TaskReply.SerializeToString),
         "Pull": grpc.unary_stream_rpc_method_handler(
-            servicer.Pull, request_deserializer=pb.PullRequest.FromString,
+            servicer.Pull, request_deserializer=tolerant(pb.PullRequest.FromString, "PullRequest"),
             response_serializer=serde.serialize_model_item),
         "Push": grpc.stream_unary_rpc_method_handler(
-            servicer.Push, request_deserializer=serde.deserialize_update_item,
+            servicer.Push,
+            request_deserializer=tolerant(serde.deserialize_update_item, "an UpdateChunk"),
             response_serializer=pb.PushReply.SerializeToString),
         "Leave": grpc.unary_unary_rpc_method_handler(
-            servicer.Leave, request_deserializer=pb.LeaveRequest.FromString,
+            servicer.Leave,
+            request_deserializer=tolerant(pb.LeaveRequest.FromString, "LeaveRequest"),
             response_serializer=pb.LeaveReply.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
