@@ -1,4 +1,4 @@
-"""The ``murmura`` command: run, server, client (and ``python -m murmura``)."""
+"""The ``murmura`` command: run, server, client, keys, certs (and ``python -m murmura``)."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ class ClientLauncher:
     def _spawn(self, address: str, i: int) -> subprocess.Popen[bytes]:
         task = self.task
         cmd = [sys.executable, "-m", "murmura", "client", "--server", address,
-               "--client-id", f"client-{i:03d}", "--client-index", str(i),
+               "--client-index", str(i),
                "--num-clients", str(self.run.clients), "--threads", str(self.run.client_threads),
                "--task", task.task, "--model", task.model, "--partition", task.partition,
                "--alpha", str(task.alpha), "--data-seed", str(task.data_seed)]
@@ -178,20 +178,18 @@ def _forked_client(queue: Any, task: Any, index: int, run: RunConfig, log_path: 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     address = queue.get()
-    cfg = ClientConfig(server=address, client_id=f"client-{index:03d}", client_index=index,
-                       num_clients=run.clients, threads=run.client_threads,
-                       device=device or "auto")
-    stats = run_client(cfg, task)
-    print(f"client {cfg.client_id}: {stats.pushed} updates pushed, {stats.refused} refused, "
-          f"{stats.retries} retries", flush=True)
+    # Each client makes an ephemeral identity key: its id derives from it (docs/security.md).
+    cfg = ClientConfig(server=address, client_index=index, num_clients=run.clients,
+                       threads=run.client_threads, device=device or "auto")
+    run_client(cfg, task)
 
 
 def _client_thread(task_cfg: Any, address: str, index: int, run: RunConfig) -> None:
     from murmura.client import ClientConfig
 
     # torch's thread count is per calling thread, so each client thread sets its own
-    cfg = ClientConfig(server=address, client_id=f"client-{index:03d}", client_index=index,
-                       num_clients=run.clients, device="cpu", threads=run.client_threads)
+    cfg = ClientConfig(server=address, client_index=index, num_clients=run.clients,
+                       device="cpu", threads=run.client_threads)
     run_client(cfg, task_cfg)
 
 
@@ -333,14 +331,19 @@ def run_client(cfg: Any, task_cfg: Any) -> Any:
     if attack.data is not None:
         data = attack.data(data)
     # The server's settings (sent at join) choose first-order or zeroth-order training per task.
+    identity = cfg.node_key()  # before training starts: a bad key file fails now
     trainer = make_trainer(task.build_model(), data, device=cfg.device)
-    transport = GrpcTransport(cfg.server)
+    transport = GrpcTransport(cfg.server, tls=cfg.tls(), insecure=cfg.insecure)
     try:
-        runtime = ClientRuntime(transport, trainer, client_id=cfg.identity(),
+        runtime = ClientRuntime(transport, trainer, client_id=cfg.client_id, identity=identity,
                                 profile=device_profile(trainer.device), token=cfg.token,
                                 codec=cfg.codec, wait_s=cfg.wait_s, update_hook=attack.update,
                                 retry=RetryPolicy(give_up_after_s=cfg.give_up_after_s))
-        return runtime.run(max_tasks=cfg.max_tasks)
+        log.info("client id %s", runtime.client_id)
+        stats = runtime.run(max_tasks=cfg.max_tasks)
+        print(f"client {runtime.client_id}: {stats.pushed} updates pushed, {stats.refused} "
+              f"refused, {stats.retries} retries", flush=True)
+        return stats
     finally:
         transport.close()
 
@@ -354,16 +357,49 @@ def cmd_client(args: argparse.Namespace) -> int:
     cfg = build(ClientConfig, toml.get("client"), args, section="client")
     task = build(TaskConfig, toml.get("task"), args, section="task")
     try:
-        stats = run_client(cfg, task)
+        run_client(cfg, task)
     except RemoteError as exc:
         print(f"murmura client: {exc}", file=sys.stderr)
         return 2
-    print(f"client {cfg.identity()}: {stats.pushed} updates pushed, {stats.refused} refused, "
-          f"{stats.retries} retries", flush=True)
+    return 0
+
+
+# -- murmura keys / certs --------------------------------------------------------------------
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from murmura.protocols.identity import NodeKey
+
+    key = NodeKey.generate()
+    pub = key.save(args.out)
+    print(f"wrote {args.out} (private, mode 0600) and {pub}")
+    print(f"client id  {key.client_id}")
+    print(f"public key {key.public_hex}")
+    return 0
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from murmura.protocols import tls
+
+    if args.certs_command == "init":
+        cert, key = tls.make_ca(args.out)
+        print(f"wrote {cert} (give it to clients: --tls-ca; to the server: --client-ca) "
+              f"and {key} (keep it secret)")
+    elif args.certs_command == "server":
+        hosts = [h.strip() for h in args.host.split(",") if h.strip()]
+        cert, key = tls.make_server_cert(args.ca, args.out, hosts)
+        print(f"wrote {cert} and {key} for {', '.join(hosts)} "
+              f"(murmura server --tls-cert {cert} --tls-key {key})")
+    else:
+        cert, key = tls.make_client_cert(args.ca, args.out, args.name)
+        print(f"wrote {cert} and {key} (murmura client --tls-cert {cert} --tls-key {key})")
     return 0
 
 
 # -- parser -----------------------------------------------------------------------------------
+
+#: Server fields that make no sense for ``murmura run`` (its server and clients share loopback).
+_SERVE_ONLY = ("tls_cert", "tls_key", "client_ca", "insecure", "key", "upstream_tls_ca",
+               "upstream_tls_cert", "upstream_tls_key")
 
 def build_parser() -> argparse.ArgumentParser:
     from murmura.client import ClientConfig
@@ -387,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     add_arguments(p, RunConfig, title="run")
     add_arguments(p, TaskConfig, title="task")
-    add_arguments(p, ServerConfig, title="server", skip=("address",))
+    add_arguments(p, ServerConfig, title="server", skip=("address", *_SERVE_ONLY))
     p.add_argument("--device", default=None, help="clients' device: auto, cpu, cuda, mps")
     p.set_defaults(fn=cmd_run)
 
@@ -411,6 +447,36 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, ClientConfig, title="client")
     add_arguments(p, TaskConfig, title="task")
     p.set_defaults(fn=cmd_client)
+
+    p = sub.add_parser("keys", help="node identity keys (Ed25519)",
+                       description="Make a node identity: an Ed25519 key whose public key "
+                       "gives the client id (docs/security.md).")
+    keys = p.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    k = keys.add_parser("new", help="a new key: FILE (private, 0600) and FILE.pub",
+                        description="Write a new Ed25519 private key to --out (PEM, mode 0600) "
+                        "and its public key in hex to OUT.pub (one line, the allow-list "
+                        "format); print the client id.")
+    k.add_argument("--out", required=True, metavar="FILE", help="where to write the private key")
+    k.set_defaults(fn=cmd_keys)
+
+    p = sub.add_parser("certs", help="a small CA and TLS certificates",
+                       description="Make a certificate authority and server/client "
+                       "certificates for TLS and mutual TLS (docs/security.md).")
+    certs = p.add_subparsers(dest="certs_command", required=True, metavar="ACTION")
+    c = certs.add_parser("init", help="a new CA: DIR/ca.crt and DIR/ca.key")
+    c.add_argument("--out", required=True, metavar="DIR", help="directory for the CA's files")
+    c = certs.add_parser("server", help="a server certificate signed by the CA")
+    c.add_argument("--ca", required=True, metavar="DIR", help="the CA's directory (certs init)")
+    c.add_argument("--host", default="localhost,127.0.0.1", metavar="NAME[,IP...]",
+                   help="names and IP addresses clients use to reach the server "
+                   "(default: localhost,127.0.0.1)")
+    c.add_argument("--out", required=True, metavar="DIR",
+                   help="directory for server.crt and server.key")
+    c = certs.add_parser("client", help="a client certificate signed by the CA (mutual TLS)")
+    c.add_argument("--ca", required=True, metavar="DIR", help="the CA's directory (certs init)")
+    c.add_argument("--name", required=True, help="the client's name: NAME.crt and NAME.key")
+    c.add_argument("--out", required=True, metavar="DIR", help="directory for the files")
+    p.set_defaults(fn=cmd_certs)
 
     from murmura.simulation.cli import add_parser as add_simulate
 

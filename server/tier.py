@@ -64,6 +64,7 @@ class DecodedMeta:
     weight: float | None
     count: int
     exact: bool
+    payload_sha256: bytes | None = None  # set when the run checks update signatures
 
 
 def decode_job(decoder: Decoder, codec: str, payload: SlabRef | bytes, reference: Any,
@@ -95,7 +96,8 @@ def decode_job(decoder: Decoder, codec: str, payload: SlabRef | bytes, reference
         assert decoded.values is not None
         array, n_values = decoded.values, decoded.values.size
     meta = DecodedMeta(in_place=codec == DENSE and not exact, n_values=n_values,
-                       weight=decoded.weight, count=decoded.count, exact=exact)
+                       weight=decoded.weight, count=decoded.count, exact=exact,
+                       payload_sha256=decoded.payload_sha256)
     if out is not None and (meta.in_place or array is target):
         return meta  # the values are in the payload's or the output's slab already
     return write_out(out, array, meta)
@@ -287,10 +289,12 @@ class Tier:
             n = self.decoder.size
             hi = np.frombuffer(out.buf, dtype=np.int64, count=n)
             lo = np.frombuffer(out.buf, dtype=np.int64, count=n, offset=8 * n)
-            return Decoded(None, weight=meta.weight, count=meta.count, limbs=(hi, lo))
+            return Decoded(None, weight=meta.weight, count=meta.count, limbs=(hi, lo),
+                           payload_sha256=meta.payload_sha256)
         source = lease.buf[:payload_bytes] if meta.in_place or out is None else out.buf
         values = np.frombuffer(source, dtype=np.float32, count=meta.n_values)
-        return Decoded(values, weight=meta.weight, count=meta.count)
+        return Decoded(values, weight=meta.weight, count=meta.count,
+                       payload_sha256=meta.payload_sha256)
 
     def _reference_slab(self, version: int, params: FlatVector) -> Slab:
         """Version ``version`` in shared memory, copied once and kept for a few versions."""
