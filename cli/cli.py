@@ -77,7 +77,11 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"codec={server.train.codec}, out={out}", file=sys.stderr)
     t0 = time.monotonic()
     # Fork client processes first, before this process runs any torch op or gRPC call.
-    launcher = ClientLauncher(run, task, out, args.device)
+    # Clients prove keys derived from the run seed (the same ids, cohorts and seeds on every
+    # rerun); with identities off they join under the legacy ids client-000, ... as the
+    # simulator's clients do.
+    key_seed = server.seed if server.require_identity else None
+    launcher = ClientLauncher(run, task, out, args.device, key_seed)
     core = build_core(server, task, out_dir=out, extra_config={"run": dataclasses.asdict(run)})
     progress = Progress(server.max_versions)
     with ServerThread(core) as srv:
@@ -112,8 +116,10 @@ class ClientLauncher:
     address. Elsewhere each client is a fresh ``python -m murmura client`` process.
     """
 
-    def __init__(self, run: RunConfig, task: Any, out: Path, device: str | None) -> None:
+    def __init__(self, run: RunConfig, task: Any, out: Path, device: str | None,
+                 key_seed: int | None = None) -> None:
         self.run, self.task, self.device = run, task, device
+        self.key_seed = key_seed
         self.logs = out / "clients"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.clients: list[Any] = []
@@ -133,7 +139,8 @@ class ClientLauncher:
             for i in range(run.clients):
                 p = ctx.Process(target=_forked_client, name=f"client-{i:03d}",
                                 args=(self._queue, task, i, run,
-                                      str(self.logs / f"client-{i:03d}.log"), device))
+                                      str(self.logs / f"client-{i:03d}.log"), device,
+                                      key_seed))
                 p.start()
                 self.clients.append(p)
 
@@ -141,7 +148,7 @@ class ClientLauncher:
         if self.run.in_process:
             for i in range(self.run.clients):
                 t = threading.Thread(target=_client_thread, daemon=True, name=f"client-{i}",
-                                     args=(self.task, address, i, self.run))
+                                     args=(self.task, address, i, self.run, self.key_seed))
                 t.start()
                 self.clients.append(t)
         elif self._queue is not None:
@@ -154,7 +161,9 @@ class ClientLauncher:
 
     def _spawn(self, address: str, i: int) -> subprocess.Popen[bytes]:
         task = self.task
-        cmd = [sys.executable, "-m", "murmura", "client", "--server", address,
+        who = (["--client-id", f"client-{i:03d}"] if self.key_seed is None
+               else ["--run-key-seed", str(self.key_seed)])
+        cmd = [sys.executable, "-m", "murmura", "client", "--server", address, *who,
                "--client-index", str(i),
                "--num-clients", str(self.run.clients), "--threads", str(self.run.client_threads),
                "--task", task.task, "--model", task.model, "--partition", task.partition,
@@ -166,8 +175,19 @@ class ClientLauncher:
                                     stdin=subprocess.DEVNULL)
 
 
+def run_identity(key_seed: int | None, index: int) -> tuple[Any, str]:
+    """``murmura run``'s client ``index``: a key derived from the run seed, or (identities
+    off) no key and the legacy id. Derived keys make reruns identical; they protect nothing
+    against someone on this machine who knows the seed, which is fine on loopback only."""
+    from murmura.protocols.identity import NodeKey
+
+    if key_seed is None:
+        return None, f"client-{index:03d}"
+    return NodeKey.from_seed(f"murmura-run/{key_seed}/{index}"), ""
+
+
 def _forked_client(queue: Any, task: Any, index: int, run: RunConfig, log_path: str,
-                   device: str | None) -> None:
+                   device: str | None, key_seed: int | None = None) -> None:
     import os
 
     from murmura.client import ClientConfig
@@ -178,19 +198,22 @@ def _forked_client(queue: Any, task: Any, index: int, run: RunConfig, log_path: 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     address = queue.get()
-    # Each client makes an ephemeral identity key: its id derives from it (docs/security.md).
-    cfg = ClientConfig(server=address, client_index=index, num_clients=run.clients,
-                       threads=run.client_threads, device=device or "auto")
-    run_client(cfg, task)
+    identity, legacy_id = run_identity(key_seed, index)
+    cfg = ClientConfig(server=address, client_id=legacy_id, client_index=index,
+                       num_clients=run.clients, threads=run.client_threads,
+                       device=device or "auto")
+    run_client(cfg, task, identity=identity)
 
 
-def _client_thread(task_cfg: Any, address: str, index: int, run: RunConfig) -> None:
+def _client_thread(task_cfg: Any, address: str, index: int, run: RunConfig,
+                   key_seed: int | None = None) -> None:
     from murmura.client import ClientConfig
 
     # torch's thread count is per calling thread, so each client thread sets its own
-    cfg = ClientConfig(server=address, client_index=index, num_clients=run.clients,
-                       device="cpu", threads=run.client_threads)
-    run_client(cfg, task_cfg)
+    identity, legacy_id = run_identity(key_seed, index)
+    cfg = ClientConfig(server=address, client_id=legacy_id, client_index=index,
+                       num_clients=run.clients, device="cpu", threads=run.client_threads)
+    run_client(cfg, task_cfg, identity=identity)
 
 
 def _alive(c: Any) -> bool:
@@ -254,6 +277,10 @@ async def _serve(server_cfg: Any, task: Any, args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before the address is announced
         loop.add_signal_handler(sig, stop.set)
+    if server_cfg.tls_cert:  # check the certificate files before loading anything
+        from murmura.protocols.tls import server_credentials
+
+        server_credentials(server_cfg.tls_cert, server_cfg.tls_key, server_cfg.client_ca or None)
     if server_cfg.role == "leaf":
         return await _serve_leaf(server_cfg, task, args, stop)
     out = Path(args.out)
@@ -314,26 +341,32 @@ async def _serve_leaf(server_cfg: Any, task: Any, args: argparse.Namespace,
 
 # -- murmura client ---------------------------------------------------------------------------
 
-def run_client(cfg: Any, task_cfg: Any) -> Any:
-    """Join ``cfg.server`` and train the bundled task's share ``cfg.client_index``."""
+def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
+    """Join ``cfg.server`` and train the bundled task's share ``cfg.client_index``, under
+    ``identity`` if given (else ``cfg``'s key, a fresh one, or its legacy client id)."""
     import torch
 
     from murmura.client import ClientRuntime, GrpcTransport, RetryPolicy, make_trainer
     from murmura.client.malicious import make_attack
     from murmura.edge import device_profile
+    from murmura.protocols.tls import channel_credentials
     from murmura.tasks import load_task
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if identity is None:
+        identity = cfg.node_key()  # before anything is loaded: a bad key file fails now
+    tls = cfg.tls()
+    if tls is not None:
+        channel_credentials(tls)  # the same: missing or mismatched files fail now
     task = load_task(task_cfg)
     attack = make_attack(cfg.attack, cfg.attack_options, seed=cfg.client_index)
     data = task.client_data(cfg.client_index, cfg.num_clients)
     if attack.data is not None:
         data = attack.data(data)
     # The server's settings (sent at join) choose first-order or zeroth-order training per task.
-    identity = cfg.node_key()  # before training starts: a bad key file fails now
     trainer = make_trainer(task.build_model(), data, device=cfg.device)
-    transport = GrpcTransport(cfg.server, tls=cfg.tls(), insecure=cfg.insecure)
+    transport = GrpcTransport(cfg.server, tls=tls, insecure=cfg.insecure)
     try:
         runtime = ClientRuntime(transport, trainer, client_id=cfg.client_id, identity=identity,
                                 profile=device_profile(trainer.device), token=cfg.token,
@@ -357,7 +390,10 @@ def cmd_client(args: argparse.Namespace) -> int:
     cfg = build(ClientConfig, toml.get("client"), args, section="client")
     task = build(TaskConfig, toml.get("task"), args, section="task")
     try:
-        run_client(cfg, task)
+        identity = None
+        if args.run_key_seed is not None:  # a client process of `murmura run` (not on Linux)
+            identity, _ = run_identity(args.run_key_seed, cfg.client_index)
+        run_client(cfg, task, identity=identity)
     except RemoteError as exc:
         print(f"murmura client: {exc}", file=sys.stderr)
         return 2
@@ -446,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     add_arguments(p, ClientConfig, title="client")
     add_arguments(p, TaskConfig, title="task")
+    p.add_argument("--run-key-seed", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_client)
 
     p = sub.add_parser("keys", help="node identity keys (Ed25519)",

@@ -126,6 +126,15 @@ class NodeKey:
         """A fresh key (an ephemeral identity unless saved)."""
         return cls(Ed25519PrivateKey.generate())
 
+    @classmethod
+    def from_seed(cls, seed: str | bytes) -> NodeKey:
+        """A key that is a function of ``seed``: for tests and reproducible experiments only
+        (whoever knows the seed holds the key), e.g. reruns whose fold order, which follows
+        client ids, must not change."""
+        raw = seed.encode() if isinstance(seed, str) else bytes(seed)
+        return cls(Ed25519PrivateKey.from_private_bytes(
+            hashlib.sha256(b"murmura/test-key/v1" + raw).digest()))
+
     @property
     def public_bytes(self) -> bytes:
         return self.private.public_key().public_bytes(serialization.Encoding.Raw,

@@ -61,7 +61,7 @@ class ServerConfig:
     # hierarchy
     role: str = "top"              # top, or leaf: fold clients' updates and push upstream
     upstream: str = ""             # leaf: the parent aggregator's HOST:PORT
-    name: str = ""                 # leaf: its client id at the parent (default: leaf-HOST-PORT)
+    name: str = ""                 # leaf: its name in logs (its id at the parent: its --key)
     # limits and identity
     max_payload_mb: float = 1024.0
     join_token: str = ""

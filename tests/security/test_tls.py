@@ -181,3 +181,28 @@ def test_plaintext_is_refused_off_loopback_unless_insecure(pki) -> None:
                                                      str(pki["evil_key"])))
     with pytest.raises(TlsError, match="cannot read CA certificate"):
         GrpcTransport("127.0.0.1:1", tls=ClientTls(str(pki["root"] / "nope.crt")))
+
+
+@pytest.mark.slow
+def test_payloads_hashed_in_a_worker_process_are_verified_before_they_count(serve) -> None:
+    """workers=1: the payload's SHA-256 is computed by the aggregation function in a worker
+    process (not on the event loop) and the signature is checked against it."""
+    srv = serve(min_clients=1, mode="async", buffer_size=1, max_versions=5, workers=1)
+    assert not srv.server.tier.inline
+    key = NodeKey.generate()
+    t = GrpcTransport(srv.address, timeout_s=60)
+    try:
+        session = t.join_as(key, DeviceProfile())[0].session
+        payload = np.full(4, 2.0, "<f4").tobytes()
+        header = key.sign_update(UpdateHeader(session=session, update_id="w1", base_version=0,
+                                              num_examples=1, codec="dense-f32",
+                                              payload_bytes=len(payload)),
+                                 payload_digest(payload))
+        with pytest.raises(RemoteError) as exc:
+            t.push(header, np.full(4, 5.0, "<f4").tobytes())
+        assert exc.value.status == "PERMISSION_DENIED"
+        assert t.push(header, payload).duplicate is False
+        assert srv.call(lambda: srv.server.tier.stats()["decoded"]) == 2  # both in the worker
+        np.testing.assert_allclose(srv.call(lambda: srv.core.params.copy()), [2.0] * 4)
+    finally:
+        t.close()
