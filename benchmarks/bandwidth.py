@@ -55,6 +55,7 @@ from murmura.client.zo import ZOTrainer  # noqa: E402
 from murmura.protocols import (  # noqa: E402
     DeviceProfile,
     FlatVector,
+    JoinProof,
     JoinResult,
     ModelSpec,
     PushResult,
@@ -145,9 +146,13 @@ class WireTransport(Transport):
         self._pulled += sum(serde.data_chunk_wire_bytes(len(i)) if isinstance(i, memoryview)
                             else i.ByteSize() for i in items)
 
-    def join(self, client_id: str, profile: DeviceProfile, token: str = ""
-             ) -> tuple[JoinResult, ModelSpec]:
-        return self._call(lambda: self.core.join(client_id, profile, token=token)), self.core.spec
+    def challenge(self) -> bytes:
+        return self._call(lambda: self.core.challenge()[0])
+
+    def join(self, client_id: str, profile: DeviceProfile, token: str = "",
+             proof: JoinProof | None = None) -> tuple[JoinResult, ModelSpec]:
+        return self._call(lambda: self.core.join(client_id, profile, token=token,
+                                                 proof=proof)), self.core.spec
 
     def task(self, session: str, wait_s: float) -> Task:
         return self._call(lambda: self.core.task(session))
@@ -220,8 +225,10 @@ def federated_run(label: str, settings: TaskSettings, model_factory: Callable[[]
         spec.load_into(probe, params)
         return evaluate(probe, test)
 
+    # Unsigned legacy clients: the figures count payload bytes and headers as before (a
+    # signature adds 66 bytes per update header, see docs/security.md).
     config = ServerConfig(mode="sync", max_versions=versions, min_clients=len(shares),
-                          cohort_fraction=1.0, seed=0, train=settings)
+                          cohort_fraction=1.0, seed=0, train=settings, require_identity=False)
     core = AggregatorCore(config, spec, initial, evaluator=evaluator)
     transports, runtimes = [], []
     for i, share in enumerate(shares):

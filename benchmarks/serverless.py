@@ -67,7 +67,8 @@ def _server_main(conn: Any, size: int, config: dict[str, Any]) -> None:
     from murmura.server import AggregatorCore, ServerConfig, ServerThread
 
     train = TaskSettings(**config.pop("train", {}))
-    cfg = ServerConfig(address="127.0.0.1:0", train=train, **config)
+    # The load generator joins and pushes raw, unsigned (legacy ids; docs/security.md).
+    cfg = ServerConfig(address="127.0.0.1:0", train=train, require_identity=False, **config)
     spec = ModelSpec((TensorSpec("w", (size,)),))
     core = AggregatorCore(cfg, spec, np.zeros(size, np.float32))
     srv = ServerThread(core, "127.0.0.1:0").start()
@@ -320,8 +321,7 @@ def hierarchy(versions: int) -> dict[str, Any]:
         out = []
         for i, address in enumerate(addresses):
             runtime = ClientRuntime(GrpcTransport(address, timeout_s=60),
-                                    FunctionTrainer(task.build_model(), fn(i)),
-                                    client_id=f"client-{i}", wait_s=2.0,
+                                    FunctionTrainer(task.build_model(), fn(i)), wait_s=2.0,
                                     retry=RetryPolicy(initial_s=0.05, give_up_after_s=120))
             th = threading.Thread(target=runtime.run, daemon=True)
             th.start()

@@ -1,4 +1,4 @@
-"""The ``murmura`` command: run, server, client (and ``python -m murmura``)."""
+"""The ``murmura`` command: run, server, client, keys, certs (and ``python -m murmura``)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,11 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"codec={server.train.codec}, out={out}", file=sys.stderr)
     t0 = time.monotonic()
     # Fork client processes first, before this process runs any torch op or gRPC call.
-    launcher = ClientLauncher(run, task, out, args.device)
+    # Clients prove keys derived from the run seed (the same ids, cohorts and seeds on every
+    # rerun); with identities off they join under the legacy ids client-000, ... as the
+    # simulator's clients do.
+    key_seed = server.seed if server.require_identity else None
+    launcher = ClientLauncher(run, task, out, args.device, key_seed)
     core = build_core(server, task, out_dir=out, extra_config={"run": dataclasses.asdict(run)})
     progress = Progress(server.max_versions)
     with ServerThread(core) as srv:
@@ -112,8 +116,10 @@ class ClientLauncher:
     address. Elsewhere each client is a fresh ``python -m murmura client`` process.
     """
 
-    def __init__(self, run: RunConfig, task: Any, out: Path, device: str | None) -> None:
+    def __init__(self, run: RunConfig, task: Any, out: Path, device: str | None,
+                 key_seed: int | None = None) -> None:
         self.run, self.task, self.device = run, task, device
+        self.key_seed = key_seed
         self.logs = out / "clients"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.clients: list[Any] = []
@@ -133,7 +139,8 @@ class ClientLauncher:
             for i in range(run.clients):
                 p = ctx.Process(target=_forked_client, name=f"client-{i:03d}",
                                 args=(self._queue, task, i, run,
-                                      str(self.logs / f"client-{i:03d}.log"), device))
+                                      str(self.logs / f"client-{i:03d}.log"), device,
+                                      key_seed))
                 p.start()
                 self.clients.append(p)
 
@@ -141,7 +148,7 @@ class ClientLauncher:
         if self.run.in_process:
             for i in range(self.run.clients):
                 t = threading.Thread(target=_client_thread, daemon=True, name=f"client-{i}",
-                                     args=(self.task, address, i, self.run))
+                                     args=(self.task, address, i, self.run, self.key_seed))
                 t.start()
                 self.clients.append(t)
         elif self._queue is not None:
@@ -154,8 +161,10 @@ class ClientLauncher:
 
     def _spawn(self, address: str, i: int) -> subprocess.Popen[bytes]:
         task = self.task
-        cmd = [sys.executable, "-m", "murmura", "client", "--server", address,
-               "--client-id", f"client-{i:03d}", "--client-index", str(i),
+        who = (["--client-id", f"client-{i:03d}"] if self.key_seed is None
+               else ["--run-key-seed", str(self.key_seed)])
+        cmd = [sys.executable, "-m", "murmura", "client", "--server", address, *who,
+               "--client-index", str(i),
                "--num-clients", str(self.run.clients), "--threads", str(self.run.client_threads),
                "--task", task.task, "--model", task.model, "--partition", task.partition,
                "--alpha", str(task.alpha), "--data-seed", str(task.data_seed)]
@@ -166,8 +175,19 @@ class ClientLauncher:
                                     stdin=subprocess.DEVNULL)
 
 
+def run_identity(key_seed: int | None, index: int) -> tuple[Any, str]:
+    """``murmura run``'s client ``index``: a key derived from the run seed, or (identities
+    off) no key and the legacy id. Derived keys make reruns identical; they protect nothing
+    against someone on this machine who knows the seed, which is fine on loopback only."""
+    from murmura.protocols.identity import NodeKey
+
+    if key_seed is None:
+        return None, f"client-{index:03d}"
+    return NodeKey.from_seed(f"murmura-run/{key_seed}/{index}"), ""
+
+
 def _forked_client(queue: Any, task: Any, index: int, run: RunConfig, log_path: str,
-                   device: str | None) -> None:
+                   device: str | None, key_seed: int | None = None) -> None:
     import os
 
     from murmura.client import ClientConfig
@@ -178,21 +198,22 @@ def _forked_client(queue: Any, task: Any, index: int, run: RunConfig, log_path: 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     address = queue.get()
-    cfg = ClientConfig(server=address, client_id=f"client-{index:03d}", client_index=index,
+    identity, legacy_id = run_identity(key_seed, index)
+    cfg = ClientConfig(server=address, client_id=legacy_id, client_index=index,
                        num_clients=run.clients, threads=run.client_threads,
                        device=device or "auto")
-    stats = run_client(cfg, task)
-    print(f"client {cfg.client_id}: {stats.pushed} updates pushed, {stats.refused} refused, "
-          f"{stats.retries} retries", flush=True)
+    run_client(cfg, task, identity=identity)
 
 
-def _client_thread(task_cfg: Any, address: str, index: int, run: RunConfig) -> None:
+def _client_thread(task_cfg: Any, address: str, index: int, run: RunConfig,
+                   key_seed: int | None = None) -> None:
     from murmura.client import ClientConfig
 
     # torch's thread count is per calling thread, so each client thread sets its own
-    cfg = ClientConfig(server=address, client_id=f"client-{index:03d}", client_index=index,
+    identity, legacy_id = run_identity(key_seed, index)
+    cfg = ClientConfig(server=address, client_id=legacy_id, client_index=index,
                        num_clients=run.clients, device="cpu", threads=run.client_threads)
-    run_client(cfg, task_cfg)
+    run_client(cfg, task_cfg, identity=identity)
 
 
 def _alive(c: Any) -> bool:
@@ -256,6 +277,10 @@ async def _serve(server_cfg: Any, task: Any, args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before the address is announced
         loop.add_signal_handler(sig, stop.set)
+    if server_cfg.tls_cert:  # check the certificate files before loading anything
+        from murmura.protocols.tls import server_credentials
+
+        server_credentials(server_cfg.tls_cert, server_cfg.tls_key, server_cfg.client_ca or None)
     if server_cfg.role == "leaf":
         return await _serve_leaf(server_cfg, task, args, stop)
     out = Path(args.out)
@@ -316,17 +341,24 @@ async def _serve_leaf(server_cfg: Any, task: Any, args: argparse.Namespace,
 
 # -- murmura client ---------------------------------------------------------------------------
 
-def run_client(cfg: Any, task_cfg: Any) -> Any:
-    """Join ``cfg.server`` and train the bundled task's share ``cfg.client_index``."""
+def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
+    """Join ``cfg.server`` and train the bundled task's share ``cfg.client_index``, under
+    ``identity`` if given (else ``cfg``'s key, a fresh one, or its legacy client id)."""
     import torch
 
     from murmura.client import ClientRuntime, GrpcTransport, RetryPolicy, make_trainer
     from murmura.client.malicious import make_attack
     from murmura.edge import device_profile
+    from murmura.protocols.tls import channel_credentials
     from murmura.tasks import load_task
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if identity is None:
+        identity = cfg.node_key()  # before anything is loaded: a bad key file fails now
+    tls = cfg.tls()
+    if tls is not None:
+        channel_credentials(tls)  # the same: missing or mismatched files fail now
     task = load_task(task_cfg)
     attack = make_attack(cfg.attack, cfg.attack_options, seed=cfg.client_index)
     data = task.client_data(cfg.client_index, cfg.num_clients)
@@ -334,13 +366,17 @@ def run_client(cfg: Any, task_cfg: Any) -> Any:
         data = attack.data(data)
     # The server's settings (sent at join) choose first-order or zeroth-order training per task.
     trainer = make_trainer(task.build_model(), data, device=cfg.device)
-    transport = GrpcTransport(cfg.server)
+    transport = GrpcTransport(cfg.server, tls=tls, insecure=cfg.insecure)
     try:
-        runtime = ClientRuntime(transport, trainer, client_id=cfg.identity(),
+        runtime = ClientRuntime(transport, trainer, client_id=cfg.client_id, identity=identity,
                                 profile=device_profile(trainer.device), token=cfg.token,
                                 codec=cfg.codec, wait_s=cfg.wait_s, update_hook=attack.update,
                                 retry=RetryPolicy(give_up_after_s=cfg.give_up_after_s))
-        return runtime.run(max_tasks=cfg.max_tasks)
+        log.info("client id %s", runtime.client_id)
+        stats = runtime.run(max_tasks=cfg.max_tasks)
+        print(f"client {runtime.client_id}: {stats.pushed} updates pushed, {stats.refused} "
+              f"refused, {stats.retries} retries", flush=True)
+        return stats
     finally:
         transport.close()
 
@@ -354,16 +390,52 @@ def cmd_client(args: argparse.Namespace) -> int:
     cfg = build(ClientConfig, toml.get("client"), args, section="client")
     task = build(TaskConfig, toml.get("task"), args, section="task")
     try:
-        stats = run_client(cfg, task)
+        identity = None
+        if args.run_key_seed is not None:  # a client process of `murmura run` (not on Linux)
+            identity, _ = run_identity(args.run_key_seed, cfg.client_index)
+        run_client(cfg, task, identity=identity)
     except RemoteError as exc:
         print(f"murmura client: {exc}", file=sys.stderr)
         return 2
-    print(f"client {cfg.identity()}: {stats.pushed} updates pushed, {stats.refused} refused, "
-          f"{stats.retries} retries", flush=True)
+    return 0
+
+
+# -- murmura keys / certs --------------------------------------------------------------------
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from murmura.protocols.identity import NodeKey
+
+    key = NodeKey.generate()
+    pub = key.save(args.out)
+    print(f"wrote {args.out} (private, mode 0600) and {pub}")
+    print(f"client id  {key.client_id}")
+    print(f"public key {key.public_hex}")
+    return 0
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from murmura.protocols import tls
+
+    if args.certs_command == "init":
+        cert, key = tls.make_ca(args.out)
+        print(f"wrote {cert} (give it to clients: --tls-ca; to the server: --client-ca) "
+              f"and {key} (keep it secret)")
+    elif args.certs_command == "server":
+        hosts = [h.strip() for h in args.host.split(",") if h.strip()]
+        cert, key = tls.make_server_cert(args.ca, args.out, hosts)
+        print(f"wrote {cert} and {key} for {', '.join(hosts)} "
+              f"(murmura server --tls-cert {cert} --tls-key {key})")
+    else:
+        cert, key = tls.make_client_cert(args.ca, args.out, args.name)
+        print(f"wrote {cert} and {key} (murmura client --tls-cert {cert} --tls-key {key})")
     return 0
 
 
 # -- parser -----------------------------------------------------------------------------------
+
+#: Server fields that make no sense for ``murmura run`` (its server and clients share loopback).
+_SERVE_ONLY = ("tls_cert", "tls_key", "client_ca", "insecure", "key", "upstream_tls_ca",
+               "upstream_tls_cert", "upstream_tls_key")
 
 def build_parser() -> argparse.ArgumentParser:
     from murmura.client import ClientConfig
@@ -387,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     add_arguments(p, RunConfig, title="run")
     add_arguments(p, TaskConfig, title="task")
-    add_arguments(p, ServerConfig, title="server", skip=("address",))
+    add_arguments(p, ServerConfig, title="server", skip=("address", *_SERVE_ONLY))
     p.add_argument("--device", default=None, help="clients' device: auto, cpu, cuda, mps")
     p.set_defaults(fn=cmd_run)
 
@@ -410,7 +482,38 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     add_arguments(p, ClientConfig, title="client")
     add_arguments(p, TaskConfig, title="task")
+    p.add_argument("--run-key-seed", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_client)
+
+    p = sub.add_parser("keys", help="node identity keys (Ed25519)",
+                       description="Make a node identity: an Ed25519 key whose public key "
+                       "gives the client id (docs/security.md).")
+    keys = p.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    k = keys.add_parser("new", help="a new key: FILE (private, 0600) and FILE.pub",
+                        description="Write a new Ed25519 private key to --out (PEM, mode 0600) "
+                        "and its public key in hex to OUT.pub (one line, the allow-list "
+                        "format); print the client id.")
+    k.add_argument("--out", required=True, metavar="FILE", help="where to write the private key")
+    k.set_defaults(fn=cmd_keys)
+
+    p = sub.add_parser("certs", help="a small CA and TLS certificates",
+                       description="Make a certificate authority and server/client "
+                       "certificates for TLS and mutual TLS (docs/security.md).")
+    certs = p.add_subparsers(dest="certs_command", required=True, metavar="ACTION")
+    c = certs.add_parser("init", help="a new CA: DIR/ca.crt and DIR/ca.key")
+    c.add_argument("--out", required=True, metavar="DIR", help="directory for the CA's files")
+    c = certs.add_parser("server", help="a server certificate signed by the CA")
+    c.add_argument("--ca", required=True, metavar="DIR", help="the CA's directory (certs init)")
+    c.add_argument("--host", default="localhost,127.0.0.1", metavar="NAME[,IP...]",
+                   help="names and IP addresses clients use to reach the server "
+                   "(default: localhost,127.0.0.1)")
+    c.add_argument("--out", required=True, metavar="DIR",
+                   help="directory for server.crt and server.key")
+    c = certs.add_parser("client", help="a client certificate signed by the CA (mutual TLS)")
+    c.add_argument("--ca", required=True, metavar="DIR", help="the CA's directory (certs init)")
+    c.add_argument("--name", required=True, help="the client's name: NAME.crt and NAME.key")
+    c.add_argument("--out", required=True, metavar="DIR", help="directory for the files")
+    p.set_defaults(fn=cmd_certs)
 
     from murmura.simulation.cli import add_parser as add_simulate
 

@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str,
         taken.add(name)
         default = f.default if f.default is not dataclasses.MISSING else None
         helptext = f"(default: {default!r})" if default not in (None, "") else None
+        if f.metadata.get("help"):  # a field's own help text says what it is for
+            helptext = f.metadata["help"]
         if t is bool:
             group.add_argument(_flag(name), dest=name, default=None,
                                action=argparse.BooleanOptionalAction, help=helptext)

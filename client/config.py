@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass, field
 
 from murmura.edge import DEVICES
+from murmura.protocols.identity import NodeKey
+from murmura.protocols.tls import ClientTls
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,18 @@ class ClientConfig:
     """Where the aggregator is, who this client is, and what it trains on."""
 
     server: str = "127.0.0.1:50051"
-    client_id: str = ""            # default: <hostname>-<pid>
+    client_id: str = field(default="", metadata={"help": (
+        "legacy: join unsigned under this id (only a server with require_identity off takes "
+        "it); by default the id derives from the client's key")})
+    key: str = field(default="", metadata={"help": (
+        "identity key FILE from `murmura keys new` (default: a new ephemeral key per run)")})
+    tls_ca: str = field(default="", metadata={"help": (
+        "CA certificate (PEM) that signed the server's certificate: connect with TLS")})
+    tls_cert: str = field(default="", metadata={"help": (
+        "this client's certificate (PEM) for a server that requires mutual TLS")})
+    tls_key: str = field(default="", metadata={"help": "the private key of --tls-cert (PEM)"})
+    insecure: bool = field(default=False, metadata={"help": (
+        "allow plaintext to a non-loopback server (default: refused)")})
     device: str = "auto"
     codec: str = ""                # default: the server's choice
     token: str = ""
@@ -40,6 +51,27 @@ class ClientConfig:
         make_attack(self.attack, self.attack_options)  # fails now on a bad name or option
         if self.max_tasks < 0 or self.wait_s < 0 or self.threads < 0:
             raise ValueError("max_tasks, wait_s and threads must be >= 0")
+        if self.key and self.client_id:
+            raise ValueError("give --key or --client-id, not both: a key's client id derives "
+                             "from the key")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("a client certificate needs its key: give both --tls-cert and "
+                             "--tls-key")
+        if self.tls_cert and not self.tls_ca:
+            raise ValueError("--tls-cert (mutual TLS) needs --tls-ca too")
+        from murmura.protocols.tls import is_loopback
 
-    def identity(self) -> str:
-        return self.client_id or f"{socket.gethostname()}-{os.getpid()}"
+        if not self.tls_ca and not self.insecure and not is_loopback(self.server):
+            raise ValueError(f"refusing to talk plaintext to {self.server[:60]}: give --tls-ca "
+                             f"(see docs/security.md) or --insecure")
+
+    def tls(self) -> ClientTls | None:
+        """The TLS settings of the link to the server (None: plaintext)."""
+        return ClientTls(self.tls_ca, self.tls_cert, self.tls_key) if self.tls_ca else None
+
+    def node_key(self) -> NodeKey | None:
+        """The key this client proves and signs with: ``key``'s file, a fresh one, or None
+        for a legacy unsigned ``client_id``."""
+        if self.key:
+            return NodeKey.load(self.key)
+        return None if self.client_id else NodeKey.generate()

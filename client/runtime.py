@@ -29,6 +29,7 @@ from murmura.protocols import (
     UpdateHeader,
 )
 from murmura.protocols.codecs.seed import SeedPool, pool_model
+from murmura.protocols.identity import NodeKey, payload_digest
 from murmura.protocols.pool import seed_pool_for
 
 log = logging.getLogger(__name__)
@@ -72,9 +73,15 @@ class ClientRuntime:
     The codec choice, the encoder's seed, update ids and what to do on a refusal follow
     :mod:`murmura.client.rules`, which the simulator's engine follows too. Update ids are
     random unless ``update_ids`` is a seeded :class:`~murmura.client.rules.UpdateIds`.
+
+    The client's identity is an Ed25519 key (``identity``; a fresh ephemeral one when neither
+    it nor ``client_id`` is given): its id derives from the key, it proves the key at every
+    Join and signs every update (docs/security.md). A bare ``client_id`` without a key joins
+    unsigned, which only a server with ``require_identity = False`` accepts.
     """
 
-    def __init__(self, transport: Transport, trainer: Trainer, *, client_id: str,
+    def __init__(self, transport: Transport, trainer: Trainer, *, client_id: str = "",
+                 identity: NodeKey | None = None,
                  profile: DeviceProfile | None = None, token: str = "", codec: str = "",
                  retry: RetryPolicy | None = None, wait_s: float = 10.0,
                  sleep: Callable[[float], None] = time.sleep,
@@ -83,6 +90,14 @@ class ClientRuntime:
                  update_ids: UpdateIds | None = None) -> None:
         self.transport = transport
         self.trainer = trainer
+        if identity is None and not client_id:
+            identity = NodeKey.generate()
+        if identity is not None:
+            if client_id and client_id != identity.client_id:
+                raise ValueError(f"client_id {client_id[:40]!r} is not the id of the given key "
+                                 f"({identity.client_id}); leave it empty")
+            client_id = identity.client_id
+        self.identity = identity
         self.client_id = client_id
         self.profile = profile or DeviceProfile()
         self.token = token
@@ -105,7 +120,10 @@ class ClientRuntime:
     # -- plumbing -----------------------------------------------------------------------------
 
     def _join(self) -> None:
-        result, spec = self.transport.join(self.client_id, self.profile, self.token)
+        if self.identity is not None:
+            result, spec = self.transport.join_as(self.identity, self.profile, self.token)
+        else:
+            result, spec = self.transport.join(self.client_id, self.profile, self.token)
         if spec.fingerprint() != self.trainer.spec.fingerprint():
             raise ValueError(f"the server trains model spec {spec.fingerprint()} "
                              f"({spec.size} values); this client's model is "
@@ -209,12 +227,15 @@ class ClientRuntime:
             codec, payload = self.codec_name, self._encoder.encode(update)
         update_id = self.update_ids()  # kept by every retry of this push: counted once
         metrics = dict(result.metrics)
+        digest = payload_digest(payload) if self.identity is not None else b""
 
         def push() -> object:
             header = UpdateHeader(session=self.session, update_id=update_id, base_version=version,
                                   round=round_, num_examples=result.num_examples, codec=codec,
                                   payload_bytes=len(payload), metrics=metrics,
                                   spec_fingerprint=self.trainer.spec.fingerprint())
+            if self.identity is not None:  # signed per attempt: a re-join changes the session
+                header = self.identity.sign_update(header, digest)
             return self.transport.push(header, payload)
 
         self.stats.tasks += 1

@@ -15,6 +15,7 @@ from murmura.protocols import (
     PROTOCOL_VERSION,
     DeviceProfile,
     FlatVector,
+    JoinProof,
     JoinResult,
     ModelSpec,
     PushResult,
@@ -24,7 +25,9 @@ from murmura.protocols import (
 )
 from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols import murmura_pb2_grpc as pb_grpc
+from murmura.protocols.identity import NodeKey
 from murmura.protocols.pool import POOL_SCALARS_CODEC
+from murmura.protocols.tls import ClientTls, channel_credentials, is_loopback
 
 #: Statuses worth retrying after a pause: the server is away, overloaded or restarting.
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED"})
@@ -55,8 +58,18 @@ class RemoteError(Exception):
 
 class Transport(ABC):
     @abstractmethod
-    def join(self, client_id: str, profile: DeviceProfile, token: str = ""
-             ) -> tuple[JoinResult, ModelSpec]: ...
+    def join(self, client_id: str, profile: DeviceProfile, token: str = "",
+             proof: JoinProof | None = None) -> tuple[JoinResult, ModelSpec]: ...
+
+    def challenge(self) -> bytes:
+        """A single-use nonce from the aggregator, for a Join proof."""
+        raise NotImplementedError(f"{type(self).__name__} cannot ask for a join challenge")
+
+    def join_as(self, identity: NodeKey, profile: DeviceProfile, token: str = ""
+                ) -> tuple[JoinResult, ModelSpec]:
+        """Join under ``identity``'s client id, proving the key over a fresh challenge."""
+        proof = identity.join_proof(self.challenge())
+        return self.join(identity.client_id, profile, token, proof)
 
     @abstractmethod
     def task(self, session: str, wait_s: float) -> Task: ...
@@ -92,17 +105,30 @@ class Transport(ABC):
 
 
 class GrpcTransport(Transport):
-    """The aggregator over gRPC; every call has a deadline."""
+    """The aggregator over gRPC; every call has a deadline.
+
+    ``tls`` names the CA that signed the server's certificate (and this client's certificate
+    for mutual TLS). Without it the channel is plaintext, which is refused for a non-loopback
+    address unless ``insecure`` is set.
+    """
 
     def __init__(self, address: str, *, timeout_s: float = 60.0,
-                 chunk_bytes: int = serde.CHUNK_BYTES) -> None:
+                 chunk_bytes: int = serde.CHUNK_BYTES, tls: ClientTls | None = None,
+                 insecure: bool = False) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
-        self._channel = grpc.insecure_channel(address, options=[
+        options = [
             ("grpc.max_receive_message_length", 4 * chunk_bytes + (1 << 16)),
             ("grpc.max_send_message_length", 4 * chunk_bytes + (1 << 16)),
-        ])
+        ]
+        if tls is not None:
+            self._channel = grpc.secure_channel(address, channel_credentials(tls), options)
+        elif insecure or is_loopback(address):
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            raise ValueError(f"refusing to talk plaintext to {address[:60]}: give --tls-ca "
+                             f"(see docs/security.md) or --insecure")
         self._stub = pb_grpc.AggregatorStub(self._channel)
         # Push and Pull frame payload chunks without protobuf copies (serde.frame_data); the
         # bytes on the wire are exactly the proto's.
@@ -129,10 +155,21 @@ class GrpcTransport(Transport):
         return RemoteError(code.name if code else "UNKNOWN", details or "",
                            retry_after_s=retry_after)
 
-    def join(self, client_id: str, profile: DeviceProfile, token: str = ""
-             ) -> tuple[JoinResult, ModelSpec]:
+    def challenge(self) -> bytes:
+        try:
+            reply = self._stub.Challenge(pb.ChallengeRequest(), timeout=self.timeout_s,
+                                         wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise self._wrap(exc) from None
+        return bytes(reply.nonce)
+
+    def join(self, client_id: str, profile: DeviceProfile, token: str = "",
+             proof: JoinProof | None = None) -> tuple[JoinResult, ModelSpec]:
         req = pb.JoinRequest(client_id=client_id, profile=serde.profile_to_proto(profile),
                              token=token, protocol_version=PROTOCOL_VERSION)
+        if proof is not None:
+            req.public_key, req.nonce, req.signature = (proof.public_key, proof.nonce,
+                                                        proof.signature)
         try:
             reply = self._stub.Join(req, timeout=self.timeout_s, wait_for_ready=True)
         except grpc.RpcError as exc:

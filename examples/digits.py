@@ -52,8 +52,9 @@ def main() -> None:
         def client(i: int) -> None:
             trainer = TorchTrainer(task.build_model(), task.client_data(i, NUM_CLIENTS),
                                    device="cpu")
-            ClientRuntime(GrpcTransport(server.address), trainer,
-                          client_id=f"client-{i:03d}").run()
+            # each client makes an ephemeral identity key: its id derives from the key, it
+            # proves the key when it joins and signs every update (docs/security.md)
+            ClientRuntime(GrpcTransport(server.address), trainer).run()
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(NUM_CLIENTS)]
         for t in threads:

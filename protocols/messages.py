@@ -88,6 +88,18 @@ class UpdateHeader:
     round: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     spec_fingerprint: str = ""
+    #: The sender's Ed25519 signature of ``identity.update_message`` (empty: unsigned).
+    signature: bytes = b""
+
+
+@dataclass(frozen=True)
+class JoinProof:
+    """A node's proof that it holds the key its client id is derived from: its public key,
+    the server's challenge nonce, and its signature of ``identity.join_message``."""
+
+    public_key: bytes
+    nonce: bytes
+    signature: bytes
 
 
 @dataclass(frozen=True)

@@ -78,16 +78,34 @@ class TaskSettings(_message.Message):
     def __init__(self, trainer: _Optional[str] = ..., local_epochs: _Optional[int] = ..., local_steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., codec: _Optional[str] = ..., codec_options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., zo_eps: _Optional[float] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("client_id", "profile", "token", "protocol_version")
+    __slots__ = ("client_id", "profile", "token", "protocol_version", "public_key", "nonce", "signature")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     profile: DeviceProfile
     token: str
     protocol_version: int
-    def __init__(self, client_id: _Optional[str] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., token: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    public_key: bytes
+    nonce: bytes
+    signature: bytes
+    def __init__(self, client_id: _Optional[str] = ..., profile: _Optional[_Union[DeviceProfile, _Mapping]] = ..., token: _Optional[str] = ..., protocol_version: _Optional[int] = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class ChallengeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ChallengeReply(_message.Message):
+    __slots__ = ("nonce", "expires_in_s")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    expires_in_s: float
+    def __init__(self, nonce: _Optional[bytes] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("session", "settings", "spec", "mode", "max_payload_bytes")
@@ -172,7 +190,7 @@ class ModelChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[ModelHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class UpdateHeader(_message.Message):
-    __slots__ = ("session", "update_id", "base_version", "round", "num_examples", "codec", "payload_bytes", "metrics", "spec_fingerprint")
+    __slots__ = ("session", "update_id", "base_version", "round", "num_examples", "codec", "payload_bytes", "metrics", "spec_fingerprint", "signature")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +207,7 @@ class UpdateHeader(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     session: str
     update_id: str
     base_version: int
@@ -198,7 +217,8 @@ class UpdateHeader(_message.Message):
     payload_bytes: int
     metrics: _containers.ScalarMap[str, float]
     spec_fingerprint: str
-    def __init__(self, session: _Optional[str] = ..., update_id: _Optional[str] = ..., base_version: _Optional[int] = ..., round: _Optional[int] = ..., num_examples: _Optional[int] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., spec_fingerprint: _Optional[str] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, session: _Optional[str] = ..., update_id: _Optional[str] = ..., base_version: _Optional[int] = ..., round: _Optional[int] = ..., num_examples: _Optional[int] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., spec_fingerprint: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class UpdateChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -59,6 +59,11 @@ class AggregatorStub:
                 request_serializer=murmura_dot_protocols_dot_murmura__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=murmura_dot_protocols_dot_murmura__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.Challenge = channel.unary_unary(
+                '/murmura.v1.Aggregator/Challenge',
+                request_serializer=murmura_dot_protocols_dot_murmura__pb2.ChallengeRequest.SerializeToString,
+                response_deserializer=murmura_dot_protocols_dot_murmura__pb2.ChallengeReply.FromString,
+                _registered_method=True)
 
 
 class AggregatorServicer:
@@ -100,6 +105,13 @@ class AggregatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Challenge(self, request, context):
+        """A single-use, expiring nonce that a node signs with its key to join (see JoinRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +139,11 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=murmura_dot_protocols_dot_murmura__pb2.LeaveRequest.FromString,
                     response_serializer=murmura_dot_protocols_dot_murmura__pb2.LeaveReply.SerializeToString,
+            ),
+            'Challenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Challenge,
+                    request_deserializer=murmura_dot_protocols_dot_murmura__pb2.ChallengeRequest.FromString,
+                    response_serializer=murmura_dot_protocols_dot_murmura__pb2.ChallengeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +281,33 @@ class Aggregator:
             '/murmura.v1.Aggregator/Leave',
             murmura_dot_protocols_dot_murmura__pb2.LeaveRequest.SerializeToString,
             murmura_dot_protocols_dot_murmura__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Challenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmura.v1.Aggregator/Challenge',
+            murmura_dot_protocols_dot_murmura__pb2.ChallengeRequest.SerializeToString,
+            murmura_dot_protocols_dot_murmura__pb2.ChallengeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,7 @@ from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols.messages import (
     Action,
     DeviceProfile,
+    JoinProof,
     JoinResult,
     PushResult,
     Task,
@@ -74,7 +75,7 @@ def update_header_to_proto(h: UpdateHeader) -> pb.UpdateHeader:
                            base_version=h.base_version, round=h.round,
                            num_examples=h.num_examples, codec=h.codec,
                            payload_bytes=h.payload_bytes, metrics=dict(h.metrics),
-                           spec_fingerprint=h.spec_fingerprint)
+                           spec_fingerprint=h.spec_fingerprint, signature=h.signature)
 
 
 def update_header_from_proto(m: pb.UpdateHeader) -> UpdateHeader:
@@ -82,7 +83,14 @@ def update_header_from_proto(m: pb.UpdateHeader) -> UpdateHeader:
                         base_version=m.base_version, round=m.round,
                         num_examples=m.num_examples, codec=m.codec,
                         payload_bytes=m.payload_bytes, metrics=dict(m.metrics),
-                        spec_fingerprint=m.spec_fingerprint)
+                        spec_fingerprint=m.spec_fingerprint, signature=m.signature)
+
+
+def join_proof_from_proto(m: pb.JoinRequest) -> JoinProof | None:
+    """The identity proof of a Join, or None when it carries none."""
+    if not (m.public_key or m.nonce or m.signature):
+        return None
+    return JoinProof(public_key=m.public_key, nonce=m.nonce, signature=m.signature)
 
 
 def join_result_to_proto(r: JoinResult, spec: ModelSpec) -> pb.JoinReply:

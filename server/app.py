@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from murmura.protocols import ModelSpec
+from murmura.protocols.tls import is_loopback, server_credentials
 from murmura.server.checkpoint import load_checkpoint
 from murmura.server.config import ServerConfig
 from murmura.server.core import AggregatorCore, evaluator_for
@@ -90,6 +91,13 @@ class AggregatorServer:
         return f"{host}:{self.port}"
 
     async def start(self) -> None:
+        cfg = self.core.config
+        credentials = None
+        if cfg.tls_cert:  # read and check the files first: a bad one fails before anything runs
+            credentials = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.client_ca or None)
+        elif not cfg.insecure and not is_loopback(self.requested_address):
+            raise ValueError(f"refusing to serve plaintext on {self.requested_address[:60]}: "
+                             f"give --tls-cert and --tls-key, or --insecure")
         server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -106,18 +114,22 @@ class AggregatorServer:
         self.tier.post = loop.call_soon_threadsafe
         self.servicer = AggregatorServicer(self.core, tier=self.tier)
         add_servicer(self.servicer, server)
-        self.port = server.add_insecure_port(self.requested_address)
+        if credentials is not None:
+            self.port = server.add_secure_port(self.requested_address, credentials)
+        else:
+            self.port = server.add_insecure_port(self.requested_address)
         if self.port == 0:
             raise OSError(f"could not bind {self.requested_address}")
         await server.start()
         self._server = server
         self.core.add_listener(self._check_done)
         self._ticker = asyncio.create_task(self._tick())
-        cfg = self.core.config
         where = ("in-process" if self.tier.inline else
                  f"{cfg.backend} workers, up to {cfg.worker_limit}")
-        log.info("aggregator listening on %s (mode=%s, decoding: %s)", self.address, cfg.mode,
-                 where)
+        security = ("mutual TLS" if cfg.client_ca else "TLS") if credentials else "plaintext"
+        log.info("aggregator listening on %s (mode=%s, decoding: %s, %s, identities %s)",
+                 self.address, cfg.mode, where, security,
+                 "required" if cfg.require_identity else "off")
 
     def _check_done(self) -> None:
         if self.core.done:

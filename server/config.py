@@ -62,7 +62,7 @@ class ServerConfig:
     # hierarchy
     role: str = "top"              # top, or leaf: fold clients' updates and push upstream
     upstream: str = ""             # leaf: the parent aggregator's HOST:PORT
-    name: str = ""                 # leaf: its client id at the parent (default: leaf-HOST-PORT)
+    name: str = ""                 # leaf: its name in logs (its id at the parent: its --key)
     # limits and identity
     max_payload_mb: float = 1024.0
     join_token: str = ""
@@ -71,6 +71,28 @@ class ServerConfig:
     join_per_s: float = 1.0        # joins per second per client id, bursts of 10 (0: no limit)
     push_per_s: float = 10.0       # pushes per second per client id, bursts of 50 (0: no limit)
     seed: int = 0
+    # security (docs/security.md)
+    require_identity: bool = field(default=True, metadata={"help": (
+        "clients must prove an Ed25519 key at Join and sign every update (default: on; only "
+        "the in-memory simulator and old tests turn it off)")})
+    allowed_keys: str = field(default="", metadata={"help": (
+        "FILE of client public keys (hex, one a line, from `murmura keys new`); others are "
+        "refused")})
+    tls_cert: str = field(default="", metadata={"help": "serve TLS with this certificate "
+                                                         "(PEM; from `murmura certs server`)"})
+    tls_key: str = field(default="", metadata={"help": "the private key of --tls-cert (PEM)"})
+    client_ca: str = field(default="", metadata={"help": (
+        "mutual TLS: require client certificates signed by this CA (PEM)")})
+    insecure: bool = field(default=False, metadata={"help": (
+        "allow plaintext on a non-loopback address (serving, or the leaf's upstream link)")})
+    key: str = field(default="", metadata={"help": (
+        "leaf: identity key FILE for the upstream link (default: a new ephemeral key)")})
+    upstream_tls_ca: str = field(default="", metadata={"help": (
+        "leaf: CA certificate that signed the parent's TLS certificate")})
+    upstream_tls_cert: str = field(default="", metadata={"help": (
+        "leaf: client certificate for a parent that requires mutual TLS")})
+    upstream_tls_key: str = field(default="", metadata={"help": (
+        "leaf: the private key of --upstream-tls-cert")})
     # what clients do
     train: TaskSettings = field(default_factory=TaskSettings)
 
@@ -160,6 +182,32 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {value}")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        self._check_security()
+
+    def _check_security(self) -> None:
+        from murmura.protocols.tls import is_loopback
+
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both tls_cert and tls_key (--tls-cert, --tls-key)")
+        if self.client_ca and not self.tls_cert:
+            raise ValueError("client_ca (mutual TLS) needs tls_cert and tls_key too")
+        if not self.tls_cert and not self.insecure and not is_loopback(self.address):
+            raise ValueError(f"refusing to serve plaintext on {self.address[:60]}: give "
+                             f"--tls-cert and --tls-key (see docs/security.md), bind a loopback "
+                             f"address, or pass --insecure")
+        if self.allowed_keys and not self.require_identity:
+            raise ValueError("allowed_keys needs require_identity (an allow-list of keys "
+                             "means nothing when clients need not prove a key)")
+        if bool(self.upstream_tls_cert) != bool(self.upstream_tls_key):
+            raise ValueError("upstream_tls_cert and upstream_tls_key go together")
+        if self.upstream_tls_cert and not self.upstream_tls_ca:
+            raise ValueError("upstream_tls_cert (mutual TLS) needs upstream_tls_ca")
+        if self.role == "leaf" and not self.upstream_tls_ca and not self.insecure \
+                and not is_loopback(self.upstream):
+            raise ValueError(f"refusing a plaintext upstream link to {self.upstream[:60]}: "
+                             f"give --upstream-tls-ca (see docs/security.md) or --insecure")
+        if self.role != "leaf" and (self.key or self.upstream_tls_ca):
+            raise ValueError("key and upstream_tls_* are for role 'leaf' (its upstream link)")
 
     def defense_kwargs(self) -> dict[str, Any]:
         """``defense_options`` with numbers parsed (``none`` means None)."""

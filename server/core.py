@@ -28,11 +28,21 @@ from murmura.protocols import (
     Action,
     DeviceProfile,
     FlatVector,
+    JoinProof,
     JoinResult,
     ModelSpec,
     PushResult,
     Task,
     UpdateHeader,
+)
+from murmura.protocols.identity import (
+    PUBLIC_KEY_BYTES,
+    SIGNATURE_BYTES,
+    client_id_for,
+    join_message,
+    load_public_keys,
+    update_message,
+    verify,
 )
 from murmura.protocols.pool import seed_pool_for
 from murmura.server.checkpoint import Checkpoint, save_checkpoint
@@ -75,6 +85,11 @@ PUSH_BURST = 50
 #: that no fold overflows, whatever the rule does with weights <= 1 (staleness factors are).
 FOLD_LIMIT = {"float32": 1e38, "exact": 0.99 * 2.0**42}
 REFERENCE_VERSIONS = 3
+#: Join challenges: how long a nonce stays valid, and how many may be outstanding (the oldest
+#: gives way to a new one, so a flood of Challenge calls cannot grow memory).
+CHALLENGE_TTL_S = 60.0
+MAX_CHALLENGES = 10_000
+NONCE_BYTES = 32
 
 
 @dataclass
@@ -85,6 +100,8 @@ class ClientRecord:
     joined_at: float
     updates: int = 0
     last_seen: float = 0.0
+    #: The Ed25519 key the client proved at Join (empty when the server takes no identities).
+    public_key: bytes = b""
 
 
 @dataclass
@@ -138,7 +155,12 @@ class AggregatorCore:
             spec.check_vector(start.params)
             self.version, self.params = start.version, start.params.copy()
             optimizer.load_state_dict(start.optimizer_state)
-        self.decoder = Decoder(spec.size, config.train)
+        self.decoder = Decoder(spec.size, config.train, hash_payloads=config.require_identity)
+        #: Public keys allowed to join (None: any key that proves itself).
+        self.allowed_keys = load_public_keys(config.allowed_keys) if config.allowed_keys else None
+        self._challenges: OrderedDict[bytes, float] = OrderedDict()
+        #: SHA-256 of counted payloads -> the client they were counted from (bounded).
+        self._counted: OrderedDict[bytes, str] = OrderedDict()
         pool = self._start_pool(start)
         #: The FedKSeed state in a seed-pool run (see server/pool.py), else None.
         self.pool = pool
@@ -301,16 +323,32 @@ class AggregatorCore:
 
     # -- requests -----------------------------------------------------------------------------
 
+    def challenge(self) -> tuple[bytes, float]:
+        """A single-use nonce for :meth:`join` and how many seconds it stays valid."""
+        now = self.clock()
+        while self._challenges and next(iter(self._challenges.values())) <= now:
+            self._challenges.popitem(last=False)  # expired
+        while len(self._challenges) >= MAX_CHALLENGES:
+            self._challenges.popitem(last=False)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        self._challenges[nonce] = now + CHALLENGE_TTL_S
+        return nonce, CHALLENGE_TTL_S
+
     def join(self, client_id: str, profile: DeviceProfile, *, token: str = "",
-             protocol_version: int = PROTOCOL_VERSION) -> JoinResult:
+             protocol_version: int = PROTOCOL_VERSION, proof: JoinProof | None = None
+             ) -> JoinResult:
+        """Open a session for ``client_id``. With ``require_identity`` the client must send a
+        ``proof`` that it holds the key its id derives from (see protocols/identity.py); a
+        Join for an id whose session is open ends that session only if it proves the same key
+        (a restarted client), so nobody else can take an identity over."""
         try:
-            return self._join(client_id, profile, token, protocol_version)
+            return self._join(client_id, profile, token, protocol_version, proof)
         except ServiceError as exc:
             self.count_refusal(exc)
             raise
 
     def _join(self, client_id: str, profile: DeviceProfile, token: str,
-              protocol_version: int) -> JoinResult:
+              protocol_version: int, proof: JoinProof | None) -> JoinResult:
         check_text("client_id", client_id, MAX_ID)
         check_text("token", token, MAX_TOKEN, allow_empty=True)
         check_profile(profile)
@@ -320,6 +358,13 @@ class AggregatorCore:
         if self.config.join_token and not hmac.compare_digest(token.encode(),
                                                               self.config.join_token.encode()):
             raise PermissionDenied("join token is missing or wrong")
+        public_key = b""
+        if proof is not None and (proof.public_key or proof.signature or proof.nonce):
+            public_key = self._check_proof(client_id, proof)
+        elif self.config.require_identity:
+            raise Unauthenticated("this server requires a node identity: sign a Challenge nonce "
+                                  "with an Ed25519 key (clients make one unless given --key)")
+        # After the proof: nobody can spend another identity's join budget.
         now = self.clock()
         wait = self._join_limit.allow(client_id, now)
         if wait:
@@ -328,6 +373,9 @@ class AggregatorCore:
                                     retry_after_s=wait)
         old = self._session_of.get(client_id)
         if old is not None:  # a restarted client takes over its identity
+            previous = self.sessions.get(old)
+            if previous is not None and previous.public_key != public_key:
+                raise PermissionDenied(f"client id {client_id[:40]!r} is held by another key")
             self.sessions.pop(old, None)
             self._last_seen.pop(old, None)
         elif len(self.sessions) >= self.config.max_sessions:
@@ -337,13 +385,53 @@ class AggregatorCore:
                                         f"{self.config.max_sessions} sessions; try later",
                                         retry_after_s=30.0)
         session = secrets.token_urlsafe(16)  # 128 bits in 22 characters
-        self.sessions[session] = ClientRecord(session, client_id, profile, now, last_seen=now)
+        self.sessions[session] = ClientRecord(session, client_id, profile, now, last_seen=now,
+                                              public_key=public_key)
         self._last_seen[session] = now
         self._session_of[client_id] = session
         log.info("client %s joined (%s)", client_id, profile.device)
         self._changed()
         return JoinResult(session=session, settings=self.config.train, mode=self.config.mode,
                           max_payload_bytes=self.config.max_payload_bytes)
+
+    def _check_proof(self, client_id: str, proof: JoinProof) -> bytes:
+        """The proven public key, or a refusal saying which part of the proof is wrong."""
+        expires = self._challenges.pop(bytes(proof.nonce), None)  # single use, also on failure
+        if len(proof.public_key) != PUBLIC_KEY_BYTES or len(proof.signature) != SIGNATURE_BYTES:
+            raise InvalidArgument(f"join proof needs a {PUBLIC_KEY_BYTES}-byte Ed25519 public key "
+                                  f"and a {SIGNATURE_BYTES}-byte signature, got "
+                                  f"{len(proof.public_key)} and {len(proof.signature)} bytes")
+        if expires is None or expires < self.clock():
+            raise Unauthenticated("the join challenge is unknown, used or expired; ask for a "
+                                  "new one")
+        expected = client_id_for(proof.public_key)
+        if client_id != expected:
+            raise PermissionDenied(f"client id {client_id[:40]!r} is not the id of this public "
+                                   f"key ({expected}); ids derive from keys")
+        if not verify(proof.public_key, proof.signature,
+                      join_message(proof.nonce, client_id, proof.public_key)):
+            raise Unauthenticated("the join signature does not verify with the given key")
+        if self.allowed_keys is not None and proof.public_key not in self.allowed_keys:
+            raise PermissionDenied(f"key of {client_id} is not on this server's allow-list")
+        return bytes(proof.public_key)
+
+    def _check_signature(self, rec: ClientRecord, header: UpdateHeader,
+                         digest: bytes | None) -> None:
+        """Refuse an update its session's key did not sign, or a payload already counted
+        from another client (a captured update re-signed by a second identity)."""
+        if digest is None or not rec.public_key:
+            raise FailedPrecondition("this update cannot be checked: its session has no key")
+        message = update_message(session=header.session, update_id=header.update_id,
+                                 base_version=header.base_version, round=header.round,
+                                 num_examples=header.num_examples, codec=header.codec,
+                                 payload_sha256=digest, spec_fingerprint=header.spec_fingerprint)
+        if not verify(rec.public_key, header.signature, message):
+            raise PermissionDenied("the update's signature does not verify with this session's "
+                                   "key (modified, replayed from another session, or forged)")
+        owner = self._counted.get(digest)
+        if owner is not None and owner != rec.client_id:
+            raise PermissionDenied("this payload was already counted from another client; a "
+                                   "copied update is refused")
 
     def task(self, session: str) -> Task:
         rec = self._checked(self._record, session)
@@ -413,6 +501,12 @@ class AggregatorCore:
         if header.payload_bytes > self.config.max_payload_bytes:
             raise ResourceExhausted(f"payload of {header.payload_bytes} bytes exceeds the limit "
                                     f"of {self.config.max_payload_bytes}")
+        if self.config.require_identity and len(header.signature) != SIGNATURE_BYTES:
+            if not header.signature:
+                raise PermissionDenied("this server counts only signed updates; the update has "
+                                       "no signature")
+            raise InvalidArgument(f"an update signature has {SIGNATURE_BYTES} bytes, got "
+                                  f"{len(header.signature)}")
         if header.spec_fingerprint != self.fingerprint:
             raise FailedPrecondition(f"update was trained for model spec "
                                      f"{quote(header.spec_fingerprint)}; this server's is "
@@ -486,9 +580,12 @@ class AggregatorCore:
         decoded values any more (after the fold), also when the update is refused."""
         key = self._key(header)
         self._inflight.discard(key)
+        digest = decoded.payload_sha256
         taken = False
         try:
             rec = self._record(header.session)  # the client may have left meanwhile
+            if self.config.require_identity:
+                self._check_signature(rec, header, digest)
             if self.finished:
                 raise FailedPrecondition(self._finished_message())
             staleness = self.version - header.base_version  # versions may have been published
@@ -518,6 +615,10 @@ class AggregatorCore:
         self._seen[key] = staleness
         if len(self._seen) > SEEN_UPDATES:
             self._seen.popitem(last=False)
+        if digest is not None:
+            self._counted[digest] = rec.client_id
+            if len(self._counted) > SEEN_UPDATES:
+                self._counted.popitem(last=False)
         rec.updates += 1
         self._changed()
         return PushResult(duplicate=False, version=self.version, staleness=staleness)

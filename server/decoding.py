@@ -24,6 +24,7 @@ from murmura.protocols import CodecError, FlatVector, TaskSettings, UnknownCodec
 from murmura.protocols.codecs import Codec
 from murmura.protocols.codecs.partial import PARTIAL_CODEC, PartialPayload, decode_partial
 from murmura.protocols.codecs.seed import SeedCodec
+from murmura.protocols.identity import payload_digest
 from murmura.protocols.pool import seed_pool_for
 from murmura.server.errors import FailedPrecondition, InvalidArgument
 
@@ -44,6 +45,9 @@ class Decoded:
     #: The largest magnitude among the values (a bound for exact limbs): the core bounds what
     #: one version's aggregate can reach with it, so no fold can overflow.
     max_abs: float = 0.0
+    #: SHA-256 of the payload bytes, when the run checks update signatures (computed where the
+    #: payload is decoded, so a large payload is never hashed on the gateway's event loop).
+    payload_sha256: bytes | None = None
 
     @property
     def is_partial(self) -> bool:
@@ -73,6 +77,8 @@ class Decoder:
 
     size: int
     settings: TaskSettings
+    #: Also hash each payload (SHA-256) for its signature check (``require_identity``).
+    hash_payloads: bool = False
 
     @functools.cached_property
     def pool(self):  # noqa: ANN201 - SeedPool | None, built once per process
@@ -105,6 +111,13 @@ class Decoder:
         ``out`` (float32, the model's length) receives a model update in place when given (an
         aggregation worker's output slab); partials and pool updates ignore it.
         """
+        decoded = self._decode(codec, payload, reference=reference, out=out)
+        if self.hash_payloads:
+            decoded.payload_sha256 = payload_digest(payload)
+        return decoded
+
+    def _decode(self, codec: str, payload: bytes | bytearray | memoryview, *,
+                reference: FlatVector | None, out: FlatVector | None) -> Decoded:
         if codec == PARTIAL_CODEC:
             return self._partial(payload)
         if self.pool is not None:

@@ -34,6 +34,8 @@ from murmura.aggregation import Aggregator
 from murmura.client import ClientRuntime, GrpcTransport, RemoteError, Trainer, TrainResult
 from murmura.protocols import DeviceProfile, FlatVector, ModelSpec, TaskSettings
 from murmura.protocols.codecs.partial import encode_partial
+from murmura.protocols.identity import NodeKey
+from murmura.protocols.tls import ClientTls
 from murmura.server.app import AggregatorServer, build_core
 from murmura.server.config import ServerConfig
 from murmura.server.core import AggregatorCore
@@ -102,8 +104,11 @@ class Leaf:
         self.evaluate = evaluate
         #: How long start() waits for the parent to answer (it may start after the leaf).
         self.connect_timeout_s = connect_timeout_s
-        # The id under which the parent knows this leaf: the parent folds a sync round in
-        # sorted id order, so it should be stable across restarts (set it with --name).
+        #: The leaf's identity at the parent (its id derives from the key): the parent folds
+        #: a sync round in sorted id order, so give a persistent key (--key) for an order that
+        #: is stable across restarts.
+        self.identity = NodeKey.load(config.key) if config.key else NodeKey.generate()
+        #: How the leaf names itself in logs (its id at the parent is the key's).
         self.name = config.name or _default_name(config.address)
         self.core: AggregatorCore | None = None
         self.server: AggregatorServer | None = None
@@ -135,13 +140,19 @@ class Leaf:
         log.info("leaf %s serves clients on %s, upstream %s", self.name, self.server.address,
                  self.config.upstream)
 
+    def _upstream(self, **kwargs: float) -> GrpcTransport:
+        cfg = self.config
+        tls = (ClientTls(cfg.upstream_tls_ca, cfg.upstream_tls_cert, cfg.upstream_tls_key)
+               if cfg.upstream_tls_ca else None)
+        return GrpcTransport(cfg.upstream, tls=tls, insecure=cfg.insecure, **kwargs)
+
     def _parent_settings(self) -> TaskSettings:
         # Joined under the leaf's own id and not left: the link's join takes the identity over,
         # so no second identity ever sits in one of the parent's cohorts.
-        transport = GrpcTransport(self.config.upstream, timeout_s=self.connect_timeout_s)
+        transport = self._upstream(timeout_s=self.connect_timeout_s)
         try:
-            result, _ = transport.join(self.name, DeviceProfile(device="leaf"),
-                                       self.config.join_token)
+            result, _ = transport.join_as(self.identity, DeviceProfile(device="leaf"),
+                                          self.config.join_token)
         except RemoteError as exc:
             raise ValueError(f"cannot reach the parent aggregator at {self.config.upstream} "
                              f"(waited {self.connect_timeout_s:g} s): {exc.status}") from None
@@ -152,9 +163,9 @@ class Leaf:
     def _run_link(self) -> None:
         assert self.core is not None and self.trainer is not None
         core = self.core
-        transport = GrpcTransport(self.config.upstream)
+        transport = self._upstream()
         try:
-            runtime = ClientRuntime(transport, self.trainer, client_id=self.name,
+            runtime = ClientRuntime(transport, self.trainer, identity=self.identity,
                                     profile=DeviceProfile(device="leaf", device_name=self.address),
                                     token=self.config.join_token)
             runtime.run()

@@ -136,10 +136,19 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         try:
             result = self.core.join(request.client_id, serde.profile_from_proto(request.profile),
                                     token=request.token,
-                                    protocol_version=request.protocol_version)
+                                    protocol_version=request.protocol_version,
+                                    proof=serde.join_proof_from_proto(request))
         except ServiceError as exc:
+            log.info("join refused: %s %s", exc.status, exc.message)
             await self._abort(context, exc)
         return serde.join_result_to_proto(result, self.core.spec)
+
+    async def Challenge(self, request: pb.ChallengeRequest, context: grpc.aio.ServicerContext
+                        ) -> pb.ChallengeReply:
+        if isinstance(request, Malformed):
+            await self._refuse_malformed(context, request)
+        nonce, ttl = self.core.challenge()
+        return pb.ChallengeReply(nonce=nonce, expires_in_s=ttl)
 
     async def GetTask(self, request: pb.TaskRequest, context: grpc.aio.ServicerContext
                       ) -> pb.TaskReply:
@@ -303,5 +312,9 @@ def add_servicer(servicer: AggregatorServicer, server: grpc.aio.Server) -> None:
             servicer.Leave,
             request_deserializer=tolerant(pb.LeaveRequest.FromString, "LeaveRequest"),
             response_serializer=pb.LeaveReply.SerializeToString),
+        "Challenge": grpc.unary_unary_rpc_method_handler(
+            servicer.Challenge,
+            request_deserializer=tolerant(pb.ChallengeRequest.FromString, "ChallengeRequest"),
+            response_serializer=pb.ChallengeReply.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

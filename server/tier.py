@@ -65,6 +65,7 @@ class DecodedMeta:
     count: int
     exact: bool
     max_abs: float = 0.0  # the core bounds each version's aggregate with it
+    payload_sha256: bytes | None = None  # set when the run checks update signatures
 
 
 def decode_job(decoder: Decoder, codec: str, payload: SlabRef | bytes, reference: Any,
@@ -97,7 +98,7 @@ def decode_job(decoder: Decoder, codec: str, payload: SlabRef | bytes, reference
         array, n_values = decoded.values, decoded.values.size
     meta = DecodedMeta(in_place=codec == DENSE and not exact, n_values=n_values,
                        weight=decoded.weight, count=decoded.count, exact=exact,
-                       max_abs=decoded.max_abs)
+                       max_abs=decoded.max_abs, payload_sha256=decoded.payload_sha256)
     if out is not None and (meta.in_place or array is target):
         return meta  # the values are in the payload's or the output's slab already
     return write_out(out, array, meta)
@@ -290,10 +291,11 @@ class Tier:
             hi = np.frombuffer(out.buf, dtype=np.int64, count=n)
             lo = np.frombuffer(out.buf, dtype=np.int64, count=n, offset=8 * n)
             return Decoded(None, weight=meta.weight, count=meta.count, limbs=(hi, lo),
-                           max_abs=meta.max_abs)
+                           max_abs=meta.max_abs, payload_sha256=meta.payload_sha256)
         source = lease.buf[:payload_bytes] if meta.in_place or out is None else out.buf
         values = np.frombuffer(source, dtype=np.float32, count=meta.n_values)
-        return Decoded(values, weight=meta.weight, count=meta.count, max_abs=meta.max_abs)
+        return Decoded(values, weight=meta.weight, count=meta.count, max_abs=meta.max_abs,
+                       payload_sha256=meta.payload_sha256)
 
     def _reference_slab(self, version: int, params: FlatVector) -> Slab:
         """Version ``version`` in shared memory, copied once and kept for a few versions."""

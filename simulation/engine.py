@@ -247,8 +247,10 @@ class Simulation:
 
     def _build_core(self, evaluate: bool) -> AggregatorCore:
         # The deployment's own assembly, with the virtual clock; decoding and publishing run
-        # inline, so virtual time alone orders events.
-        return build_core(self.server_config, self.task_config, out_dir=self.out_dir,
+        # inline, so virtual time alone orders events. Every simulated client lives in this
+        # process, so node identities would prove nothing: they are off (docs/security.md).
+        config = dataclasses.replace(self.server_config, require_identity=False, allowed_keys="")
+        return build_core(config, self.task_config, out_dir=self.out_dir,
                           evaluate=evaluate, task=self.data.task, clock=self.clock,
                           checkpoint=self.sim.checkpoint, fresh_metrics=True,
                           extra_config={"simulation": dataclasses.asdict(self.sim),

@@ -26,6 +26,7 @@ from murmura.protocols import (
     PROTOCOL_VERSION,
     DeviceProfile,
     FlatVector,
+    JoinProof,
     JoinResult,
     ModelSpec,
     PushResult,
@@ -93,11 +94,16 @@ class InMemoryTransport(Transport):
         self.aggregator = aggregator
         self._bytes_up = 0
 
-    def join(self, client_id: str, profile: DeviceProfile, token: str = ""
-             ) -> tuple[JoinResult, ModelSpec]:
+    def challenge(self) -> bytes:
+        core = self.aggregator.core
+        return self.aggregator.call(lambda: core.challenge()[0])
+
+    def join(self, client_id: str, profile: DeviceProfile, token: str = "",
+             proof: JoinProof | None = None) -> tuple[JoinResult, ModelSpec]:
         core = self.aggregator.core
         result = self.aggregator.call(lambda: core.join(client_id, profile, token=token,
-                                                        protocol_version=PROTOCOL_VERSION))
+                                                        protocol_version=PROTOCOL_VERSION,
+                                                        proof=proof))
         return result, core.spec
 
     def task(self, session: str, wait_s: float) -> Task:

@@ -72,7 +72,11 @@ def test_murmura_run_end_to_end_with_client_processes(tmp_path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["versions"] == 4 and summary["config"]["run"]["clients"] == 3
     assert (out / "accuracy.png").stat().st_size > 1000
-    assert len(list((out / "clients").glob("client-*.log"))) == 3
+    logs = sorted((out / "clients").glob("client-*.log"))
+    assert len(logs) == 3
+    # every client proved a key (ids derive from keys) and had its signed updates counted
+    assert all("client n-" in log.read_text() and "4 updates pushed, 0 refused"
+               in log.read_text() for log in logs)
 
 
 @pytest.mark.integration

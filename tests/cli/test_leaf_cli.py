@@ -43,7 +43,7 @@ def test_clients_train_through_a_leaf_process(tmp_path: Path) -> None:
         procs.append(leaf)
         leaf_address = _address(leaf)
         clients = [_murmura("client", "--server", leaf_address, "--client-index", str(i),
-                            "--num-clients", "2", "--client-id", f"c{i}",
+                            "--num-clients", "2",
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                    for i in range(2)]
         procs += clients

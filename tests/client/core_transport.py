@@ -26,8 +26,12 @@ class CoreTransport(Transport):
         except ServiceError as exc:
             raise RemoteError(exc.status, exc.message) from None
 
-    def join(self, client_id, profile, token=""):
-        return self._call(self.core.join, client_id, profile), self.core.spec
+    def challenge(self):
+        return self._call(self.core.challenge)[0]
+
+    def join(self, client_id, profile, token="", proof=None):
+        return self._call(lambda: self.core.join(client_id, profile, proof=proof)), \
+            self.core.spec
 
     def task(self, session, wait_s):
         return self._call(self.core.task, session)

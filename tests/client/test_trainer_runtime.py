@@ -26,6 +26,7 @@ def linear_trainer() -> FunctionTrainer:
 
 
 def core_for(trainer, **cfg) -> AggregatorCore:
+    cfg.setdefault("require_identity", False)  # legacy ids; tests/security covers identities
     return AggregatorCore(ServerConfig(**cfg), trainer.spec, trainer.spec.flatten(trainer.model))
 
 

@@ -22,6 +22,11 @@ RecordingTransport = CoreTransport
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def _cfg(**kw) -> ServerConfig:
+    """A config for legacy (unsigned) client ids; tests/security covers identities."""
+    return ServerConfig(require_identity=False, **kw)
+
+
 def sha256(vector: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(vector, dtype=np.float32).tobytes()).hexdigest()
 
@@ -39,7 +44,7 @@ def test_server_replay_reproduces_the_client_model(digits, options: dict[str, st
     settings = zo_settings(codec_options=options)
     trainer = ZOTrainer(digits.build_model(seed=1), digits.client_data(0, 4), device="cpu")
     start = trainer.spec.flatten(trainer.model)
-    core = AggregatorCore(ServerConfig(mode="async", buffer_size=1, min_clients=1,
+    core = AggregatorCore(_cfg(mode="async", buffer_size=1, min_clients=1,
                                        max_versions=1, optimizer="fedavg", server_lr=1.0,
                                        train=settings), trainer.spec, start)
     transport = RecordingTransport(core)
@@ -82,7 +87,7 @@ def test_zo_with_another_server_codec_sends_default_seed_updates(digits) -> None
     trainer = ZOTrainer(digits.build_model(), digits.client_data(2, 4), device="cpu",
                         return_params=False)
     start = trainer.spec.flatten(trainer.model)
-    core = AggregatorCore(ServerConfig(mode="async", buffer_size=1, min_clients=1,
+    core = AggregatorCore(_cfg(mode="async", buffer_size=1, min_clients=1,
                                        max_versions=1, train=settings), trainer.spec, start)
     transport = RecordingTransport(core)
     ClientRuntime(transport, trainer, client_id="c", wait_s=0).run()
@@ -106,7 +111,7 @@ def test_federated_zo_on_digits_beats_the_initial_model(digits) -> None:
     spec = ModelSpec.from_module(model)
     start = spec.flatten(model)
     before = evaluate(model, digits.test)
-    core = AggregatorCore(ServerConfig(mode="sync", min_clients=4, max_versions=6,
+    core = AggregatorCore(_cfg(mode="sync", min_clients=4, max_versions=6,
                                        train=settings), spec, start)
     runtimes = [ClientRuntime(RecordingTransport(core),
                               ZOTrainer(digits.build_model(), digits.client_data(i, 4),

@@ -43,9 +43,12 @@ class Target:
     def __init__(self) -> None:
         # Rate limits off: the fuzzer is one identity sending thousands of requests a second,
         # and a RESOURCE_EXHAUSTED for each would hide what the handlers do with the input.
+        # Identities off, so that fuzzed pushes reach decoding and the policy rather than all
+        # stopping at the missing signature (tests/security covers the signed path).
         config = ServerConfig(mode="async", min_clients=1, buffer_size=10**9,
                               max_versions=10**9, max_staleness=10**9, workers=0,
-                              join_per_s=0, push_per_s=0, max_payload_mb=1.0)
+                              join_per_s=0, push_per_s=0, max_payload_mb=1.0,
+                              require_identity=False)
         self.core = AggregatorCore(config, SPEC, np.zeros(SIZE, np.float32))
         self.server = ServerThread(self.core, "127.0.0.1:0").start()
         self.channel = grpc.insecure_channel(self.server.address)
@@ -142,6 +145,15 @@ def test_fuzz_join(target: Target, budget: int) -> None:
                          lambda rm: mutate(rm[0].SerializeToString(), rm[1]))))
     def run(data: bytes) -> None:
         target.expect("Join", data, may_change=True)  # an accepted Join adds a session
+    run()
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_fuzz_challenge(target: Target, budget: int) -> None:
+    @fuzz(budget)
+    @given(st.binary(max_size=300))
+    def run(data: bytes) -> None:
+        target.expect("Challenge", data, may_change=True)  # a nonce is state, not the model
     run()
 
 

@@ -12,6 +12,7 @@ import torch
 from murmura.client import ClientRuntime, FunctionTrainer, GrpcTransport, RemoteError, RetryPolicy
 from murmura.protocols import DeviceProfile, ModelSpec, UpdateHeader
 from murmura.protocols.codecs.partial import encode_partial
+from murmura.protocols.identity import NodeKey
 from murmura.server import ServerConfig, ServerThread, build_core
 from murmura.server.leaf import Leaf
 from murmura.tasks import TaskConfig, load_task
@@ -38,8 +39,9 @@ def run_clients(addresses: list[str]) -> list[threading.Thread]:
     threads = []
     for i, address in enumerate(addresses):
         trainer = FunctionTrainer(task.build_model(), client_fn(i))
+        # seeded keys: the same client ids (and so fold order) in every run
         runtime = ClientRuntime(GrpcTransport(address, timeout_s=30), trainer,
-                                client_id=f"client-{i}", wait_s=2.0,
+                                identity=NodeKey.from_seed(f"client-{i}"), wait_s=2.0,
                                 retry=RetryPolicy(initial_s=0.05, give_up_after_s=60))
         th = threading.Thread(target=runtime.run, daemon=True)
         th.start()
@@ -111,6 +113,7 @@ def test_three_levels_match_the_flat_run_to_float32_rounding() -> None:
 @pytest.fixture
 def top():
     core = build_core(ServerConfig(mode="async", buffer_size=1, min_clients=1, max_versions=5,
+                                   require_identity=False,
                                    workers=0), TASK, out_dir=None, evaluate=False)
     with ServerThread(core, "127.0.0.1:0") as srv:
         yield srv
@@ -163,7 +166,8 @@ def test_non_positive_partial_weight_cannot_even_be_encoded() -> None:
 
 
 def test_a_rule_that_needs_every_update_refuses_partials() -> None:
-    core = build_core(ServerConfig(defense="median", min_clients=1, workers=0), TASK,
+    core = build_core(ServerConfig(defense="median", min_clients=1, workers=0,
+                                   require_identity=False), TASK,
                       out_dir=None, evaluate=False)
     with ServerThread(core, "127.0.0.1:0") as srv:
         t = GrpcTransport(srv.address, timeout_s=10)

@@ -40,6 +40,7 @@ class Clock:
 
 def make_core(clock=None, **cfg) -> AggregatorCore:
     cfg.setdefault("min_clients", 2)
+    cfg.setdefault("require_identity", False)  # legacy ids; tests/security covers identities
     return AggregatorCore(ServerConfig(**cfg), SPEC, P0, clock=clock or Clock())
 
 
@@ -255,7 +256,8 @@ def test_rejoin_takes_over_the_identity() -> None:
 
 def test_checkpoint_is_written_per_version_and_resumes(tmp_path) -> None:
     path = tmp_path / "ckpt.npz"
-    cfg = dict(mode="async", buffer_size=1, optimizer="fedavgm", max_versions=10)
+    cfg = dict(mode="async", buffer_size=1, optimizer="fedavgm", max_versions=10,
+               require_identity=False)
     core = AggregatorCore(ServerConfig(**cfg), SPEC, P0, checkpoint_path=path)
     (a,) = joined(core, "a")
     push(core, a, [1, 1, 1, 1])

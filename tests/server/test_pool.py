@@ -24,6 +24,11 @@ K = 64
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def _cfg(**kw) -> ServerConfig:
+    """A config for legacy (unsigned) client ids; tests/security covers identities."""
+    return ServerConfig(require_identity=False, **kw)
+
+
 def sha256(vector: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(vector, dtype=np.float32).tobytes()).hexdigest()
 
@@ -63,7 +68,7 @@ def test_pool_run_learns_and_its_model_is_the_base_plus_k_scalars(digits) -> Non
     # Prepare: three ZO clients drawing from a pool of 64 seeds, sync rounds
     settings = pool_settings()
     spec, start = start_vector(digits)
-    core = AggregatorCore(ServerConfig(mode="sync", min_clients=3, max_versions=4,
+    core = AggregatorCore(_cfg(mode="sync", min_clients=3, max_versions=4,
                                        train=settings), spec, start)
     runtimes = runtimes_for(core, digits, 3)
     model = digits.build_model()
@@ -91,7 +96,7 @@ def test_pool_run_learns_and_its_model_is_the_base_plus_k_scalars(digits) -> Non
 def test_a_late_client_catches_up_exactly_from_k_scalars(digits) -> None:
     # Prepare: a pool run that has moved on four versions without the late client
     spec, start = start_vector(digits)
-    core = AggregatorCore(ServerConfig(mode="sync", min_clients=2, max_versions=4,
+    core = AggregatorCore(_cfg(mode="sync", min_clients=2, max_versions=4,
                                        train=pool_settings()), spec, start)
     drive(core, runtimes_for(core, digits, 2))
     late = runtimes_for(core, digits, 1, first=3)[0]
@@ -112,7 +117,7 @@ def test_pool_aggregate_equals_fedavg_of_the_replayed_models(digits) -> None:
     # Prepare: one version from two clients with different example counts
     settings = pool_settings(local_steps=30)
     spec, start = start_vector(digits)
-    core = AggregatorCore(ServerConfig(mode="sync", min_clients=2, max_versions=1,
+    core = AggregatorCore(_cfg(mode="sync", min_clients=2, max_versions=1,
                                        train=settings), spec, start)
     runtimes = runtimes_for(core, digits, 2)
 
@@ -154,7 +159,7 @@ def test_pool_run_refuses_other_updates_and_keeps_its_model(digits, case: str) -
     # Prepare
     settings = pool_settings()
     spec, start = start_vector(digits)
-    core = AggregatorCore(ServerConfig(mode="async", buffer_size=1, min_clients=1,
+    core = AggregatorCore(_cfg(mode="async", buffer_size=1, min_clients=1,
                                        train=settings), spec, start)
     session = _join(core)
     pool = seed_pool_for(settings)
@@ -186,7 +191,7 @@ def test_pool_run_refuses_other_updates_and_keeps_its_model(digits, case: str) -
 
 def test_runs_without_a_pool_refuse_pool_pulls() -> None:
     spec, start = ModelSpec.from_module(torch.nn.Linear(2, 2)), np.zeros(6, np.float32)
-    core = AggregatorCore(ServerConfig(min_clients=1), spec, start)
+    core = AggregatorCore(_cfg(min_clients=1), spec, start)
     session = _join(core)
     for pull in (core.pool_scalars, core.pool_base):
         with pytest.raises(ServiceError) as info:
@@ -209,14 +214,14 @@ def test_pool_state_survives_a_checkpoint_and_a_different_pool_is_refused(
     settings = pool_settings()
     spec, start = start_vector(digits)
     path = tmp_path / "ckpt.npz"
-    core = AggregatorCore(ServerConfig(mode="sync", min_clients=2, max_versions=2,
+    core = AggregatorCore(_cfg(mode="sync", min_clients=2, max_versions=2,
                                        train=settings), spec, start, checkpoint_path=path)
     drive(core, runtimes_for(core, digits, 2))
     assert core.pool is not None
 
     # Execute: resume from the checkpoint, with the same pool and with another one
     ckpt = load_checkpoint(path)
-    resumed = AggregatorCore(ServerConfig(mode="sync", min_clients=2, max_versions=4,
+    resumed = AggregatorCore(_cfg(mode="sync", min_clients=2, max_versions=4,
                                           train=settings), spec, start, start=ckpt)
 
     # Assert
@@ -226,5 +231,5 @@ def test_pool_state_survives_a_checkpoint_and_a_different_pool_is_refused(
     assert sha256(resumed.pool.base) == sha256(start)
     assert sha256(resumed.params) == sha256(core.params)
     with pytest.raises(ValueError, match="seed pool"):
-        AggregatorCore(ServerConfig(mode="sync", min_clients=2, max_versions=4,
+        AggregatorCore(_cfg(mode="sync", min_clients=2, max_versions=4,
                                     train=pool_settings(k=32)), spec, start, start=ckpt)

@@ -36,7 +36,8 @@ pytestmark = pytest.mark.integration
 
 CLIENTS, VERSIONS, SEED = 4, 3, 7
 TASK = TaskConfig(task="digits", model="mlp", partition="dirichlet", alpha=0.5)
-SERVER = ServerConfig(max_versions=VERSIONS, seed=SEED, train=TaskSettings(local_epochs=1))
+SERVER = ServerConfig(max_versions=VERSIONS, seed=SEED, train=TaskSettings(local_epochs=1),
+                      require_identity=False)  # the simulator runs without identities
 COMPARED = ("version", "round", "updates", "updates_in_version", "bytes_up", "bytes_down",
             "accuracy", "loss")
 
@@ -50,7 +51,8 @@ def grpc_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, list
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rc = main(["run", "--in-process", "-q", "--out", str(out), "--clients", str(CLIENTS),
+        rc = main(["run", "--in-process", "-q", "--no-require-identity",  # as the simulator
+                   "--out", str(out), "--clients", str(CLIENTS),
                    "--max-versions", str(VERSIONS), "--seed", str(SEED), "--local-epochs", "1",
                    "--task", TASK.task, "--model", TASK.model, "--partition", TASK.partition,
                    "--alpha", str(TASK.alpha)])

@@ -1,0 +1,228 @@
+"""TLS for Murmura's gRPC links: a small CA, server and client certificates, credentials.
+
+``murmura certs init|server|client`` call :func:`make_ca`, :func:`make_server_cert` and
+:func:`make_client_cert`; servers and clients (and later gossip peers) turn the files into
+gRPC credentials with :func:`server_credentials` and :func:`channel_credentials`. Plaintext is
+only for loopback addresses (:func:`is_loopback`) unless a user asks for it explicitly.
+
+Keys are ECDSA P-256 (fast, supported by every gRPC TLS stack); private key files are written
+with mode 0600 and never overwritten.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+__all__ = [
+    "CA_CERT",
+    "CA_KEY",
+    "ClientTls",
+    "TlsError",
+    "channel_credentials",
+    "is_loopback",
+    "make_ca",
+    "make_client_cert",
+    "make_server_cert",
+    "server_credentials",
+]
+
+CA_CERT = "ca.crt"
+CA_KEY = "ca.key"
+CA_DAYS = 3650
+LEAF_DAYS = 825
+
+
+class TlsError(ValueError):
+    """A certificate or key file is missing, unreadable, malformed or does not match."""
+
+
+def is_loopback(address: str) -> bool:
+    """True for ``HOST:PORT`` addresses on this machine only (127.0.0.0/8, ::1, localhost)."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _read(path: str | Path, what: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise TlsError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if b"-----BEGIN" not in data:
+        raise TlsError(f"{what} {path} is not a PEM file")
+    return data
+
+
+def _load_cert(path: str | Path, what: str) -> x509.Certificate:
+    data = _read(path, what)
+    try:
+        return x509.load_pem_x509_certificate(data)
+    except ValueError:
+        raise TlsError(f"{what} {path} is not a PEM certificate") from None
+
+
+def _load_key(path: str | Path, what: str) -> ec.EllipticCurvePrivateKey:
+    data = _read(path, what)
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        raise TlsError(f"{what} {path} is not an unencrypted PEM private key") from None
+    return key  # type: ignore[return-value]
+
+
+def _check_pair(cert_path: str | Path, key_path: str | Path) -> tuple[bytes, bytes]:
+    """The PEM bytes of a certificate and its key, after checking that they belong together."""
+    cert = _load_cert(cert_path, "certificate")
+    key = _load_key(key_path, "private key")
+    pub = serialization.PublicFormat.SubjectPublicKeyInfo
+    if (cert.public_key().public_bytes(serialization.Encoding.PEM, pub)
+            != key.public_key().public_bytes(serialization.Encoding.PEM, pub)):
+        raise TlsError(f"private key {key_path} does not match certificate {cert_path}")
+    return _read(cert_path, "certificate"), _read(key_path, "private key")
+
+
+def server_credentials(cert: str | Path, key: str | Path,
+                       client_ca: str | Path | None = None) -> grpc.ServerCredentials:
+    """TLS for a server; with ``client_ca`` every client must present a certificate signed by
+    it (mutual TLS)."""
+    cert_pem, key_pem = _check_pair(cert, key)
+    ca_pem = None
+    if client_ca:
+        _load_cert(client_ca, "client CA certificate")
+        ca_pem = _read(client_ca, "client CA certificate")
+    return grpc.ssl_server_credentials([(key_pem, cert_pem)], root_certificates=ca_pem,
+                                       require_client_auth=ca_pem is not None)
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """How a client (or a peer) reaches a TLS server: the CA that signed the server's
+    certificate, and its own certificate and key when the server requires mutual TLS."""
+
+    ca: str
+    cert: str = ""
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise TlsError("a client certificate needs its key and a key its certificate "
+                           "(give both --tls-cert and --tls-key)")
+
+
+def channel_credentials(tls: ClientTls) -> grpc.ChannelCredentials:
+    _load_cert(tls.ca, "CA certificate")
+    ca_pem = _read(tls.ca, "CA certificate")
+    cert_pem = key_pem = None
+    if tls.cert:
+        cert_pem, key_pem = _check_pair(tls.cert, tls.key)
+    return grpc.ssl_channel_credentials(root_certificates=ca_pem, private_key=key_pem,
+                                        certificate_chain=cert_pem)
+
+
+# -- making certificates ----------------------------------------------------------------------
+
+def _write_private(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise TlsError(f"{path} already exists; not overwriting a key") from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+
+
+def _write_cert(path: Path, cert: x509.Certificate) -> None:
+    if path.exists():
+        raise TlsError(f"{path} already exists; not overwriting a certificate")
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "murmura"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def make_ca(out: str | Path, *, name: str = "murmura CA") -> tuple[Path, Path]:
+    """A new certificate authority in ``out``: ``ca.crt`` (share it) and ``ca.key`` (keep it)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = _now()
+    cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
+                                         crl_sign=True, content_commitment=False,
+                                         key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False,
+                                         decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    _write_cert(out / CA_CERT, cert)
+    _write_private(out / CA_KEY, key)
+    return out / CA_CERT, out / CA_KEY
+
+
+def _issue(ca_dir: str | Path, out: str | Path, stem: str, common_name: str,
+           sans: list[x509.GeneralName], usage: x509.ObjectIdentifier) -> tuple[Path, Path]:
+    ca_dir, out = Path(ca_dir), Path(out)
+    ca_cert = _load_cert(ca_dir / CA_CERT, "CA certificate")
+    ca_key = _load_key(ca_dir / CA_KEY, "CA key")
+    out.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = _now()
+    builder = (x509.CertificateBuilder().subject_name(_name(common_name))
+               .issuer_name(ca_cert.subject).public_key(key.public_key())
+               .serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(days=LEAF_DAYS))
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    _write_cert(out / f"{stem}.crt", cert)
+    _write_private(out / f"{stem}.key", key)
+    return out / f"{stem}.crt", out / f"{stem}.key"
+
+
+def make_server_cert(ca_dir: str | Path, out: str | Path, hosts: list[str]
+                     ) -> tuple[Path, Path]:
+    """``server.crt`` / ``server.key`` valid for every name and IP address in ``hosts``."""
+    if not hosts:
+        raise TlsError("a server certificate needs at least one host name or IP address")
+    sans: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            sans.append(x509.DNSName(host))
+    return _issue(ca_dir, out, "server", hosts[0], sans, ExtendedKeyUsageOID.SERVER_AUTH)
+
+
+def make_client_cert(ca_dir: str | Path, out: str | Path, name: str) -> tuple[Path, Path]:
+    """``NAME.crt`` / ``NAME.key``: a client certificate for mutual TLS."""
+    if not name or "/" in name or name.startswith("."):
+        raise TlsError(f"client name must be a plain file name, got {name[:40]!r}")
+    return _issue(ca_dir, out, name, name, [], ExtendedKeyUsageOID.CLIENT_AUTH)
