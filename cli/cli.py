@@ -263,7 +263,9 @@ async def _serve(server_cfg: Any, task: Any, args: argparse.Namespace) -> int:
     if resume == "auto":
         candidate = out / "checkpoint.npz"
         resume = str(candidate) if candidate.exists() else None
-    core = build_core(server_cfg, task, out_dir=out, resume=resume)
+    # Durable (the default): OUT/state.db keeps what a restart needs, and a server started on
+    # an OUT that holds state resumes from it (it logs "resumed from the durable state").
+    core = build_core(server_cfg, task, out_dir=out, resume=resume, durable=args.durable)
     srv = AggregatorServer(core)
     await srv.start()
     print(f"murmura server listening on {srv.address}", flush=True)
@@ -339,10 +341,23 @@ def run_client(cfg: Any, task_cfg: Any) -> Any:
         runtime = ClientRuntime(transport, trainer, client_id=cfg.identity(),
                                 profile=device_profile(trainer.device), token=cfg.token,
                                 codec=cfg.codec, wait_s=cfg.wait_s, update_hook=attack.update,
-                                retry=RetryPolicy(give_up_after_s=cfg.give_up_after_s))
+                                retry=RetryPolicy(give_up_after_s=cfg.give_up_after_s),
+                                on_ack=_ack_logger(cfg.ack_log) if cfg.ack_log else None)
         return runtime.run(max_tasks=cfg.max_tasks)
     finally:
         transport.close()
+
+
+def _ack_logger(path: str) -> Any:
+    """Append one JSON line per acknowledged update: id, version, staleness, duplicate."""
+    import json
+
+    def log_ack(update_id: str, reply: Any) -> None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"update_id": update_id, "version": reply.version,
+                                "staleness": reply.staleness,
+                                "duplicate": reply.duplicate}) + "\n")
+    return log_ack
 
 
 def cmd_client(args: argparse.Namespace) -> int:
@@ -400,6 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/server", help="output directory (default: runs/server)")
     p.add_argument("--resume", default=None, metavar="PATH|auto",
                    help="start from a checkpoint; 'auto' uses OUT/checkpoint.npz if present")
+    p.add_argument("--durable", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep sessions, counted updates, counters and acknowledged updates in "
+                   "OUT/state.db, acknowledge a push once it is on disk, and resume from OUT "
+                   "after a crash or restart (default: on)")
     p.add_argument("--linger-s", type=float, default=5.0,
                    help="after the last version, keep telling clients to stop (default: 5)")
     p.set_defaults(fn=cmd_server)

@@ -18,7 +18,7 @@ from murmura.protocols import serde
 from murmura.protocols.pool import POOL_SCALARS_CODEC
 from murmura.server.buffers import ReceiveBuffer
 from murmura.server.core import AggregatorCore
-from murmura.server.errors import InvalidArgument, ServiceError
+from murmura.server.errors import InvalidArgument, ServiceError, Unavailable
 from murmura.server.slabs import Slab
 from murmura.server.tier import Tier
 
@@ -69,6 +69,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             result = self.core.join(request.client_id, serde.profile_from_proto(request.profile),
                                     token=request.token,
                                     protocol_version=request.protocol_version)
+            await _durable(self.core.last_durable, "the session")
         except ServiceError as exc:
             await self._abort(context, exc)
         return serde.join_result_to_proto(result, self.core.spec)
@@ -159,15 +160,31 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             if duplicate is not None:
                 return serde.push_result_to_proto(duplicate)
             taken, lease = lease, None  # the tier owns it now, also when decoding fails
+            spooling = None
+            if core.store is not None:
+                # The payload goes to the spool (store thread) while it is decoded.
+                spooling = core.store.spool(taken.view if isinstance(taken, ReceiveBuffer)
+                                            else taken.buf[:received])
             try:
                 decoded, release = await tier.decode(header, taken, core.reference_for(header),
                                                      header.base_version)
             except BaseException as exc:
                 core.abort_push(header, exc)
                 raise
+            spooled = None
+            if spooling is not None:
+                try:  # the buffer must outlive the spool write: the fold may release it
+                    spooled = await asyncio.wrap_future(spooling)
+                except Exception as exc:  # noqa: BLE001 - disk full or failing
+                    release()
+                    err = Unavailable(f"the update could not be spooled: {exc}"[:200])
+                    core.abort_push(header, err)
+                    raise err from None
             publishes = core.publishes
-            result = core.finish_push(header, decoded, release=release)
+            result = core.finish_push(header, decoded, release=release, spooled=spooled)
             del decoded, release  # the fold releases the buffers once nothing holds them
+            # Acknowledged only once durable (a group commit on the store thread).
+            await _durable(core.last_durable, "the update")
             if core.publishes != publishes and core.last_publish is not None:
                 # This update completed a version: answer once it is out (the loop stays free
                 # meanwhile), so the reply names the version that includes it.
@@ -192,6 +209,16 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         except ServiceError as exc:
             await self._abort(context, exc)
         return pb.LeaveReply()
+
+
+async def _durable(fut: object, what: str) -> None:
+    """Wait (off the loop) until a durable operation is on disk; UNAVAILABLE if it failed."""
+    if fut is None:
+        return
+    try:
+        await asyncio.wrap_future(fut)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - the store logged it
+        raise Unavailable(f"{what} could not be made durable; retry later") from exc
 
 
 SERVICE = "murmura.v1.Aggregator"
