@@ -21,7 +21,7 @@ import pytest
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 KILLS = 3
 CLIENTS = 3
-VERSIONS = 14
+VERSIONS = 10
 SEED = 7
 
 
