@@ -164,6 +164,8 @@ class AggregatorCore:
         self._seq = 0                  # numbers accepted updates (the store's pending rows)
         self._batch: list[int] = []    # accepted since the last publish: the next version's
         self._counters_at = 0.0
+        #: Counted updates whose commit is not done yet, with its future.
+        self._committing: dict[tuple[str, str], Future[Any]] = {}
         self._counted: tuple[int, int, int] = (0, 0, 0)
         #: Tests: called with the name of each step of a durable publish (to inject a crash).
         self.crash_hook: Callable[[str], None] | None = None
@@ -401,8 +403,11 @@ class AggregatorCore:
              wire_bytes: int = 0) -> PushResult:
         """Validate, decode (inline) and hand one update to the policy; refuse with a
         ServiceError."""
+        self.last_durable = None
         rec, duplicate = self.begin_push(header, len(payload), wire_bytes=wire_bytes)
         if duplicate is not None:
+            if self.last_durable is not None:
+                self.last_durable.result()
             return duplicate
         try:
             decoded = self.decoder.decode(header.codec, payload,
@@ -475,6 +480,9 @@ class AggregatorCore:
             rec = self._record(header.session)
             key = (rec.client_id, header.update_id)
             if key in self._seen:
+                # A retry while the first push still waits for its commit: the duplicate is
+                # answered once the update is durable too (the transport awaits this).
+                self.last_durable = self._committing.get(key)
                 return rec, PushResult(duplicate=True, version=self.version,
                                        staleness=self._seen[key])
             if key in self._inflight:
@@ -537,8 +545,11 @@ class AggregatorCore:
                 self._seq += 1
                 seq = self._seq
                 self._batch.append(seq)  # before accept: it may publish the version with it
-                self._durable(self.store.op_push(seq, rec.client_id, header.update_id,
-                                                 dataclasses.asdict(header), staleness, spooled))
+                fut = self._durable(self.store.op_push(seq, rec.client_id, header.update_id,
+                                                       dataclasses.asdict(header), staleness,
+                                                       spooled))
+                self._committing[key] = fut
+                fut.add_done_callback(lambda _: self._committing.pop(key, None))
             try:
                 self.policy.accept(rec, header, decoded, staleness, release)
                 taken = True
@@ -546,6 +557,7 @@ class AggregatorCore:
                 self.traffic.updates -= 1
                 if seq:
                     self._batch.remove(seq)
+                    self._committing.pop(key, None)
                     self._durable(StateStore.op_drop(seq, rec.client_id, header.update_id))
                     self.last_durable = None
                 raise

@@ -156,8 +156,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 raise InvalidArgument(f"header announced {header.payload_bytes} payload bytes, "
                                       f"the stream carried {received}")
             assert lease is not None
+            core.last_durable = None
             _, duplicate = core.begin_push(header, received, wire_bytes=wire)
             if duplicate is not None:
+                await _durable(core.last_durable, "the update")
                 return serde.push_result_to_proto(duplicate)
             taken, lease = lease, None  # the tier owns it now, also when decoding fails
             spooling = None

@@ -48,7 +48,8 @@ def push(core, session, update, uid, *, base=None, n=10):
     payload = np.asarray(update, "<f4").tobytes()
     header = UpdateHeader(session=session, update_id=uid,
                           base_version=core.version if base is None else base, num_examples=n,
-                          codec="dense-f32", payload_bytes=len(payload))
+                          round=getattr(core.policy, "round", 0), codec="dense-f32",
+                          payload_bytes=len(payload))
     return core.push(header, payload, wire_bytes=len(payload) + 40)
 
 
@@ -226,3 +227,23 @@ def test_non_durable_resume_keeps_counters_and_the_whole_metrics_file(tmp_path) 
     push(resumed, s, [1, 1, 1, 1], "u9")
     assert [r["version"] for r in rows(tmp_path)] == [1, 2, 3, 4]
     assert rows(tmp_path)[-1]["updates"] == 4
+
+
+def test_sync_round_update_acknowledged_before_a_crash_enters_the_next_version(tmp_path) -> None:
+    cfg = dict(mode="sync", min_clients=2)
+    core = open_core(tmp_path, **cfg)
+    a, b = (core.join(c, DeviceProfile()).session for c in "ab")
+    assert core.task(a).round == 1
+    push(core, a, [1, 1, 1, 1], "a1")  # acknowledged; b never answers before the crash
+    kill(core)
+    again = open_core(tmp_path, **cfg)
+    assert again.policy.buffered() == 1 and again.version == 0
+    assert push(again, a, [5, 5, 5, 5], "a1").duplicate
+    ta, tb = again.task(a), again.task(b)  # a new round: both are asked again
+    assert ta.round == tb.round == 1
+    push(again, a, [2, 2, 2, 2], "a2")
+    push(again, b, [3, 3, 3, 3], "b1")
+    assert again.version == 1
+    row = rows(tmp_path)[-1]
+    assert row["updates_in_version"] == 3 and row["updates"] == 3
+    again.close()
