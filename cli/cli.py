@@ -263,6 +263,8 @@ async def _serve(server_cfg: Any, task: Any, args: argparse.Namespace) -> int:
     if resume == "auto":
         candidate = out / "checkpoint.npz"
         resume = str(candidate) if candidate.exists() else None
+        if args.durable and (out / "state.db").exists():
+            resume = None  # the durable state is the fuller record; it is used by itself
     # Durable (the default): OUT/state.db keeps what a restart needs, and a server started on
     # an OUT that holds state resumes from it (it logs "resumed from the durable state").
     core = build_core(server_cfg, task, out_dir=out, resume=resume, durable=args.durable)
@@ -414,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, ServerConfig, title="server")
     p.add_argument("--out", default="runs/server", help="output directory (default: runs/server)")
     p.add_argument("--resume", default=None, metavar="PATH|auto",
-                   help="start from a checkpoint; 'auto' uses OUT/checkpoint.npz if present")
+                   help="start from a checkpoint; 'auto' uses OUT/checkpoint.npz if present "
+                   "(a durable OUT resumes from its state.db without this flag)")
     p.add_argument("--durable", action=argparse.BooleanOptionalAction, default=True,
                    help="keep sessions, counted updates, counters and acknowledged updates in "
                    "OUT/state.db, acknowledge a push once it is on disk, and resume from OUT "

@@ -15,7 +15,10 @@ from murmura.server import ServerConfig
 from murmura.server.app import assemble_core
 
 SPEC = ModelSpec((TensorSpec("w", (64,)),))
-CONFIG = ServerConfig(mode="async", buffer_size=2, max_versions=10, workers=0)
+
+
+def config(workers: int) -> ServerConfig:
+    return ServerConfig(mode="async", buffer_size=2, max_versions=10, workers=workers)
 
 
 def header(session: str, uid: str, payload: bytes, base: int = 0) -> UpdateHeader:
@@ -24,9 +27,12 @@ def header(session: str, uid: str, payload: bytes, base: int = 0) -> UpdateHeade
 
 
 @pytest.mark.integration
-def test_restarted_server_keeps_sessions_counted_ids_and_counters(tmp_path, serve) -> None:
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_restarted_server_keeps_sessions_counted_ids_and_counters(tmp_path, serve,
+                                                                  workers) -> None:
+    """workers=1: payloads are spooled from shared-memory slabs while a worker decodes."""
     payload = np.full(64, 0.5, "<f4").tobytes()
-    core = assemble_core(CONFIG, SPEC, np.zeros(64, np.float32), out_dir=tmp_path,
+    core = assemble_core(config(workers), SPEC, np.zeros(64, np.float32), out_dir=tmp_path,
                          durable=True)
     srv = serve(core)
     t = GrpcTransport(srv.address)
@@ -36,7 +42,7 @@ def test_restarted_server_keeps_sessions_counted_ids_and_counters(tmp_path, serv
     t.close()
     srv.stop()
 
-    again = assemble_core(CONFIG, SPEC, np.zeros(64, np.float32), out_dir=tmp_path,
+    again = assemble_core(config(workers), SPEC, np.zeros(64, np.float32), out_dir=tmp_path,
                           durable=True)
     srv2 = serve(again)
     t = GrpcTransport(srv2.address)
