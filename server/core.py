@@ -660,10 +660,15 @@ class AggregatorCore:
         """On the publisher thread: aggregate, step, evaluate, record, checkpoint."""
         t0 = time.perf_counter()
         try:
-            delta = aggregator.result()
-        finally:
-            aggregator.reset()
-        params = self.rule.advance(self._pub_params, delta)  # ValueError: dropped
+            try:
+                delta = aggregator.result()
+            finally:
+                aggregator.reset()
+            params = self.rule.advance(self._pub_params, delta)  # ValueError: dropped
+        except ValueError:
+            if self.store is not None and seqs:  # its updates are spent: never replay them
+                self.store.submit(StateStore.op_consume(seqs), publishes=True)
+            raise
         t1 = time.perf_counter()
         self._pub_params = params
         self._pub_version += 1

@@ -232,6 +232,12 @@ class StateStore:
         return run
 
     @staticmethod
+    def op_consume(seqs: Iterable[int]) -> Op:
+        """Forget pending updates whose aggregate was dropped (no version was made)."""
+        rows = [(s,) for s in seqs]
+        return lambda c: c.executemany("DELETE FROM pending WHERE seq = ?", rows) and None
+
+    @staticmethod
     def op_version(version: int, row: dict[str, Any], checkpoint: str,
                    seqs: Iterable[int]) -> Op:
         """Publish ``version``: its row, its checkpoint made current, its updates consumed."""

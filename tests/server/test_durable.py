@@ -247,3 +247,16 @@ def test_sync_round_update_acknowledged_before_a_crash_enters_the_next_version(t
     row = rows(tmp_path)[-1]
     assert row["updates_in_version"] == 3 and row["updates"] == 3
     again.close()
+
+
+def test_updates_of_a_dropped_aggregate_are_not_replayed(tmp_path) -> None:
+    core = open_core(tmp_path, buffer_size=2)
+    s = core.join("a", DeviceProfile()).session
+    push(core, s, [1, 1, 1, 1], "u0")
+    push(core, s, [3e38, 3e38, 3e38, 3e38], "u1")  # the sum overflows: the version is dropped
+    assert core.version == 0 and core.policy.buffered() == 0
+    core.close()
+    again = open_core(tmp_path, buffer_size=2)
+    assert again.version == 0 and again.policy.buffered() == 0
+    assert again.traffic.updates == 2 and push(again, s, [0, 0, 0, 0], "u1").duplicate
+    again.close()
