@@ -88,6 +88,25 @@ def one_run(size: int, pushes: int, durable: bool, workdir: Path) -> dict[str, A
             "pushes": n}
 
 
+def disk_mb_s(workdir: Path, total_mb: int = 200) -> float:
+    """Sequential write bandwidth of the disk under ``workdir``, fsynced every 8 MB (the
+    ceiling for spooling large payloads)."""
+    path = workdir / "probe.bin"
+    block = os.urandom(1 << 20)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for i in range(total_mb):
+            f.write(block)
+            if i % 8 == 7:
+                f.flush()
+                os.fsync(f.fileno())
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return total_mb * (1 << 20) / 1e6 / seconds
+
+
 def run(argv: list[str] | None = None) -> int:
     args = parse_args("durability", "Update intake with and without durable state", argv)
     quick = args.quick
@@ -101,6 +120,8 @@ def run(argv: list[str] | None = None) -> int:
         "model_sizes": sizes, "repeats": repeats, "decoding": "in-process (workers 0)",
         "disk": f"{workdir} ({fs.f_bsize}-byte blocks)"})
     rows = []
+    disk = max(disk_mb_s(workdir) for _ in range(2))
+    progress(f"disk: {disk:.0f} MB/s sequential, fsynced")
     for size in sizes:
         best: dict[bool, dict[str, Any]] = {}
         for r in range(repeats):
@@ -116,7 +137,8 @@ def run(argv: list[str] | None = None) -> int:
                      dur["updates_s"], "ratio": dur["updates_s"] / plain["updates_s"],
                      "plain_p50_ms": plain["p50_ms"], "durable_p50_ms": dur["p50_ms"],
                      "plain_p95_ms": plain["p95_ms"], "durable_p95_ms": dur["p95_ms"],
-                     "ops_per_commit": dur["ops_per_commit"], "versions": dur["versions"]})
+                     "ops_per_commit": dur["ops_per_commit"], "versions": dur["versions"],
+                     "spool_mb_s": dur["updates_s"] * 4 * size / 1e6, "disk_mb_s": disk})
     cols = [Column("size", "model (floats)", "{:,}"), Column("payload_kb", "payload (KB)",
                                                               "{:,.0f}"),
             Column("plain_updates_s", "plain updates/s", "{:,.0f}"),
@@ -126,20 +148,30 @@ def run(argv: list[str] | None = None) -> int:
             Column("durable_p50_ms", "durable p50 (ms)", "{:.1f}"),
             Column("plain_p95_ms", "plain p95 (ms)", "{:.1f}"),
             Column("durable_p95_ms", "durable p95 (ms)", "{:.1f}"),
-            Column("ops_per_commit", "ops per commit", "{:.1f}")]
+            Column("ops_per_commit", "ops per commit", "{:.1f}"),
+            Column("spool_mb_s", "durable MB/s spooled", "{:.0f}"),
+            Column("disk_mb_s", "disk MB/s (fsynced)", "{:.0f}")]
     report.table(f"{CLIENTS} concurrent pushers, {pushes} pushes per run", cols, rows)
     for row in rows:
         report.target(f"durable throughput relative to plain, {row['size']:,} floats",
                       row["ratio"], ">=", 0.5, unit="x")
-        report.target(f"durable p50 push latency added, {row['size']:,} floats",
-                      row["durable_p50_ms"] - row["plain_p50_ms"], "<=", 25.0, unit="ms")
+    small, large = rows[0], rows[-1]
+    report.target(f"durable p50 push latency added, {small['size']:,} floats",
+                  small["durable_p50_ms"] - small["plain_p50_ms"], "<=", 25.0, unit="ms")
+    report.target(f"payload bytes spooled relative to the disk's fsynced bandwidth, "
+                  f"{large['size']:,} floats", large["spool_mb_s"] / large["disk_mb_s"], ">=",
+                  0.6, unit="x", detail="large updates are bound by the disk, not by overhead")
     report.note("Durable: every push is spooled and committed (counted id, pending row, "
                 "counters) before its reply; one store thread groups the commits of pushes "
                 "that wait at the same time. Plain: the same server without state.db (it still "
                 "writes metrics and checkpoint.npz per version). Absolute figures depend on "
                 "the disk's fsync latency; the machine was shared.")
-    report.note(f"ops per commit: {statistics.fmean(r['ops_per_commit'] for r in rows):.1f} "
-                f"on average: group commit at work.", after_tables=True)
+    report.note(f"Ops per commit: {statistics.fmean(r['ops_per_commit'] for r in rows):.1f} "
+                f"on average (group commit). A large update's latency is dominated by writing "
+                f"and fsyncing its payload: {4 * large['size'] / 1e6:.0f} MB at the disk's "
+                f"{large['disk_mb_s']:.0f} MB/s is "
+                f"{1e3 * 4 * large['size'] / 1e6 / large['disk_mb_s']:.0f} ms per update before "
+                f"any overhead, so no fixed latency target is set for it.", after_tables=True)
     return report.finish(save=not args.no_save)
 
 

@@ -173,7 +173,7 @@ class StateStore:
 
     def spool(self, data: memoryview | bytes) -> Future[SpoolRef]:
         """Append a payload to the spool (written, not yet fsynced: the commit of the update
-        that refers to it syncs it first). Read ``data`` is not kept after the future is done."""
+        that refers to it syncs it first). ``data`` is not referenced once the future is done."""
         return self._submit(_Job(None, None, Future(), data=memoryview(data).cast("B")))
 
     def submit(self, op: Op, *, counters: dict[str, Any] | None = None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import selectors
 import signal
 import socket
 import sqlite3
@@ -31,6 +32,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def first_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    """The process's first stdout line, or "" if it exits or stays silent that long."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+        if not sel.select(timeout_s):
+            return ""
+    return proc.stdout.readline()  # type: ignore[union-attr]
+
+
 def metrics_lines(out: Path) -> int:
     path = out / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -48,7 +58,7 @@ class Server:
         cmd = [sys.executable, "-m", "murmura", "server", "--address",
                f"127.0.0.1:{self.port}", "--mode", "async", "--buffer-size", "2",
                "--max-versions", str(VERSIONS), "--max-staleness", "50", "--local-epochs", "1",
-               "--workers", "0", "--linger-s", "3", "--out", str(self.out)]
+               "--workers", "0", "--linger-s", "120", "--out", str(self.out)]
         deadline = time.monotonic() + deadline_s
         while True:  # the old process's port may take a moment to come free
             self.starts += 1
@@ -56,9 +66,11 @@ class Server:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                                          env=ENV, stdin=subprocess.DEVNULL)
             log.close()
-            line = self.proc.stdout.readline()  # type: ignore[union-attr]
+            line = first_line(self.proc, max(deadline - time.monotonic(), 1.0))
             if "listening on" in line:
                 return
+            if self.proc.poll() is None:
+                self.proc.kill()
             self.proc.wait(10)
             if time.monotonic() > deadline:
                 raise AssertionError(f"the server did not come back on port {self.port}")
@@ -113,6 +125,8 @@ def test_kill_9_loses_no_acknowledged_update_and_counts_none_twice(tmp_path: Pat
             text, _ = c.communicate(timeout=180)
             outputs.append(text)
             assert c.returncode == 0, text[-3000:]
+        # the server lingers to tell every client to stop; once they have, end it cleanly
+        server.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         server.proc.wait(60)  # type: ignore[union-attr]
         assert server.proc.returncode == 0  # type: ignore[union-attr]
     finally:
