@@ -177,8 +177,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             if spooling is not None:
                 try:  # the buffer must outlive the spool write: the fold may release it
                     spooled = await asyncio.wrap_future(spooling)
-                except Exception as exc:  # noqa: BLE001 - disk full or failing
+                except BaseException as exc:  # disk full or failing, or the client went away
                     release()
+                    if not isinstance(exc, Exception):  # cancelled: forget the update
+                        core.abort_push(header, exc)
+                        raise
                     err = Unavailable(f"the update could not be spooled: {exc}"[:200])
                     core.abort_push(header, err)
                     raise err from None

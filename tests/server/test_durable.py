@@ -97,6 +97,9 @@ def test_time_continues_across_restarts(tmp_path) -> None:
     clock2.t = 503.0
     push(again, a, [1, 1, 1, 1], "u1")
     assert [r["time_s"] for r in rows(tmp_path)] == pytest.approx([7.0, 10.0])
+    # the summary (and the plot, drawn from the same rows) covers the whole run
+    assert [r["version"] for r in again.recorder.rows] == [1, 2]
+    assert again.recorder.finish(plot=False)["time_s"] == pytest.approx(10.0)
     again.close()
 
 
