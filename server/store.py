@@ -25,6 +25,7 @@ was busy and covers them with one spool ``fsync`` and one SQLite commit (group c
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 DB_NAME = "state.db"
+LOCK_NAME = "state.lock"
 SPOOL_DIR = "spool"
 #: A spool segment is closed and a new one started past this size; a segment is deleted once
 #: no pending update refers to it.
@@ -116,6 +118,15 @@ class StateStore:
         self.spool_dir = self.dir / SPOOL_DIR
         self.spool_dir.mkdir(exist_ok=True)
         self.seen_limit = seen_limit
+        # One server per directory: a second one would interleave its state with ours. The
+        # kernel drops the lock with the process, also on kill -9.
+        self._lock_file = open(self.dir / LOCK_NAME, "a")  # noqa: SIM115
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock_file.close()
+            raise ValueError(f"another murmura server is using {self.dir}; stop it first or "
+                             f"choose another --out") from None
         self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")  # a commit is on disk when it returns
@@ -370,6 +381,7 @@ class StateStore:
             self._segment_file.close()
             self._segment_file = None
         self._conn.close()
+        self._lock_file.close()
 
     def abandon(self) -> None:
         """Tests: stop as a killed process would, dropping what is queued and not committed."""
@@ -389,6 +401,7 @@ class StateStore:
             self._segment_file.close()
             self._segment_file = None
         self._conn.close()
+        self._lock_file.close()
 
 
 def fsync_dir(path: Path) -> None:

@@ -263,3 +263,11 @@ def test_updates_of_a_dropped_aggregate_are_not_replayed(tmp_path) -> None:
     assert again.version == 0 and again.policy.buffered() == 0
     assert again.traffic.updates == 2 and push(again, s, [0, 0, 0, 0], "u1").duplicate
     again.close()
+
+
+def test_a_second_server_on_the_same_directory_is_refused(tmp_path) -> None:
+    core = open_core(tmp_path)
+    with pytest.raises(ValueError, match="another murmura server is using"):
+        open_core(tmp_path)
+    core.close()
+    open_core(tmp_path).close()  # free again once the first has stopped
