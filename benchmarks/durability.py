@@ -160,18 +160,20 @@ def run(argv: list[str] | None = None) -> int:
                   small["durable_p50_ms"] - small["plain_p50_ms"], "<=", 25.0, unit="ms")
     report.target(f"payload bytes spooled relative to the disk's fsynced bandwidth, "
                   f"{large['size']:,} floats", large["spool_mb_s"] / large["disk_mb_s"], ">=",
-                  0.6, unit="x", detail="large updates are bound by the disk, not by overhead")
+                  0.6, unit="x")
     report.note("Durable: every push is spooled and committed (counted id, pending row, "
                 "counters) before its reply; one store thread groups the commits of pushes "
                 "that wait at the same time. Plain: the same server without state.db (it still "
                 "writes metrics and checkpoint.npz per version). Absolute figures depend on "
                 "the disk's fsync latency; the machine was shared.")
     report.note(f"Ops per commit: {statistics.fmean(r['ops_per_commit'] for r in rows):.1f} "
-                f"on average (group commit). A large update's latency is dominated by writing "
-                f"and fsyncing its payload: {4 * large['size'] / 1e6:.0f} MB at the disk's "
-                f"{large['disk_mb_s']:.0f} MB/s is "
-                f"{1e3 * 4 * large['size'] / 1e6 / large['disk_mb_s']:.0f} ms per update before "
-                f"any overhead, so no fixed latency target is set for it.", after_tables=True)
+                f"on average (group commit). Writing and fsyncing a "
+                f"{4 * large['size'] / 1e6:.0f} MB payload alone takes "
+                f"{1e3 * 4 * large['size'] / 1e6 / large['disk_mb_s']:.0f} ms at the disk's "
+                f"{large['disk_mb_s']:.0f} MB/s, so no fixed latency target is set for large "
+                f"updates; the spooled-bandwidth target says how close intake comes to the "
+                f"disk. Where it falls short the limit is CPU (payload copies and thread "
+                f"hand-offs on a small shared machine), not the disk.", after_tables=True)
     return report.finish(save=not args.no_save)
 
 

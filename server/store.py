@@ -135,11 +135,17 @@ class StateStore:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
+        # The spool has its own writer thread, so payloads are copied out while the store
+        # thread waits on an fsync or a commit. Only the writer appends and rotates segments;
+        # _spool_lock guards what the store thread reads of them.
+        self._spool_jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._spool_thread: threading.Thread | None = None
+        self._spool_lock = threading.Lock()
         self._segment = 0
-        self._segment_file: Any = None
+        self._segment_fd: int | None = None
         self._segment_size = 0
-        self._dirty = False          # spool bytes written since the last fsync
-        self._new_segment = False    # a segment file was created since the last dir fsync
+        self._written = 0            # payload bytes appended (writer thread)
+        self._synced = 0             # of which fsynced (store thread)
         #: Group commits done, and operations they covered (the benchmark reports both).
         self.commits = 0
         self.committed_ops = 0
@@ -185,7 +191,16 @@ class StateStore:
     def spool(self, data: memoryview | bytes) -> Future[SpoolRef]:
         """Append a payload to the spool (written, not yet fsynced: the commit of the update
         that refers to it syncs it first). ``data`` is not referenced once the future is done."""
-        return self._submit(_Job(None, None, Future(), data=memoryview(data).cast("B")))
+        job = _Job(None, None, Future(), data=memoryview(data).cast("B"))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the state store is closed")
+            if self._spool_thread is None:
+                self._spool_thread = threading.Thread(target=self._spool_loop,
+                                                      name="murmura-spool", daemon=True)
+                self._spool_thread.start()
+        self._spool_jobs.put(job)
+        return job.future
 
     def submit(self, op: Op, *, counters: dict[str, Any] | None = None,
                publishes: bool = False) -> Future[None]:
@@ -273,55 +288,72 @@ class StateStore:
                     batch.append(self._jobs.get_nowait())
                 except queue.Empty:
                     break
-            stop = False
-            commits: list[_Job] = []
-            for job in batch:
-                if job is None:
-                    stop = True
-                elif job.data is not None:
-                    self._write_spool(job)
-                else:
-                    commits.append(job)
+            stop = None in batch
+            commits = [job for job in batch if job is not None]
             if commits:
                 self._commit(commits)
             if stop:
                 return
 
-    def _write_spool(self, job: _Job) -> None:
-        try:
-            assert job.data is not None
-            if self._segment_file is None or self._segment_size >= SEGMENT_BYTES:
-                self._open_segment()
-            offset = self._segment_size
-            self._segment_file.write(job.data)
-            self._segment_size += len(job.data)
-            self._dirty = True
-            job.data = None
-            job.future.set_result(SpoolRef(self._segment, offset, self._segment_size - offset))
-        except BaseException as exc:  # noqa: BLE001 - handed to the push that waits
-            job.data = None
-            job.future.set_exception(exc)
+    def _spool_loop(self) -> None:
+        while True:
+            job = self._spool_jobs.get()
+            if job is None:
+                return
+            try:
+                job.future.set_result(self._append(job))
+            except BaseException as exc:  # noqa: BLE001 - handed to the push that waits
+                job.future.set_exception(exc)
+            finally:
+                job.data = None
 
-    def _open_segment(self) -> None:
-        if self._segment_file is not None:
-            self._sync_spool()
-            self._segment_file.close()
-            self._segment += 1
-        self._segment_file = open(self._segment_path(self._segment), "ab")  # noqa: SIM115
-        self._segment_size = self._segment_file.tell()
-        self._new_segment = True
+    def _append(self, job: _Job) -> SpoolRef:
+        """On the writer thread: append one payload to the open segment (rotating first if
+        it is full). The bytes are in the page cache, not yet on disk."""
+        assert job.data is not None
+        if self._segment_fd is None or self._segment_size >= SEGMENT_BYTES:
+            self._rotate()
+        assert self._segment_fd is not None
+        data, offset = job.data, self._segment_size
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._segment_fd, data[done:], offset + done)
+        with self._spool_lock:
+            self._segment_size += len(data)
+            self._written += len(data)
+        return SpoolRef(self._segment, offset, len(data))
+
+    def _rotate(self) -> None:
+        old = self._segment_fd
+        if old is not None:
+            os.fsync(old)  # what the old segment holds is durable before it is left
+        path = self._segment_path(self._segment + (old is not None))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        fsync_dir(self.spool_dir)  # the new file's name is durable before rows refer to it
+        with self._spool_lock:
+            if old is not None:
+                self._segment += 1
+            self._segment_fd, self._segment_size = fd, os.fstat(fd).st_size
+            self._synced = self._written if old is not None else self._synced
+        if old is not None:
+            os.close(old)
 
     def _segment_path(self, segment: int) -> Path:
         return self.spool_dir / f"{segment:08d}.seg"
 
     def _sync_spool(self) -> None:
-        if self._dirty and self._segment_file is not None:
-            self._segment_file.flush()
-            os.fsync(self._segment_file.fileno())
-            self._dirty = False
-        if self._new_segment:
-            fsync_dir(self.spool_dir)
-            self._new_segment = False
+        """On the store thread: fsync what was appended so far (a dup of the segment's fd, so
+        the writer may rotate meanwhile)."""
+        with self._spool_lock:
+            if self._segment_fd is None or self._written == self._synced:
+                return
+            mark, fd = self._written, os.dup(self._segment_fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with self._spool_lock:
+            self._synced = max(self._synced, mark)
 
     def _commit(self, jobs: list[_Job]) -> None:
         c = self._conn
@@ -359,13 +391,16 @@ class StateStore:
                 log.warning("could not remove consumed spool segments: %s", exc)
 
     def _free_segments(self, keep: set[int]) -> None:
-        """Delete spool segments that no pending update refers to (never the open one)."""
+        """Delete spool segments that no pending update refers to (never the open one, nor
+        one the writer may be opening)."""
         if not keep:
             keep = {s for (s,) in self._conn.execute("SELECT DISTINCT segment FROM pending")}
+        with self._spool_lock:
+            current = self._segment
         for p in self.spool_dir.glob("*.seg"):
             if p.stem.isdigit():
                 n = int(p.stem)
-                if n not in keep and not (self._segment_file is not None and n == self._segment):
+                if n not in keep and n < current:
                     p.unlink(missing_ok=True)
 
     def close(self, timeout: float | None = 30.0) -> None:
@@ -374,32 +409,34 @@ class StateStore:
             if self._closed:
                 return
             self._closed = True
+        self._stop_threads(timeout)
+        self._conn.close()
+        self._lock_file.close()
+
+    def _stop_threads(self, timeout: float | None) -> None:
+        if self._spool_thread is not None:
+            self._spool_jobs.put(None)
+            self._spool_thread.join(timeout)
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout)
-        if self._segment_file is not None:
-            self._segment_file.close()
-            self._segment_file = None
-        self._conn.close()
-        self._lock_file.close()
+        if self._segment_fd is not None:
+            os.close(self._segment_fd)
+            self._segment_fd = None
 
     def abandon(self) -> None:
         """Tests: stop as a killed process would, dropping what is queued and not committed."""
         with self._lock:
             self._closed = True
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.future.set_exception(RuntimeError("the store was abandoned"))
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(10)
-        if self._segment_file is not None:
-            self._segment_file.close()
-            self._segment_file = None
+        for jobs in (self._jobs, self._spool_jobs):
+            while True:
+                try:
+                    job = jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job.future.set_exception(RuntimeError("the store was abandoned"))
+        self._stop_threads(10)
         self._conn.close()
         self._lock_file.close()
 
