@@ -59,6 +59,16 @@ class Aggregator(ABC):
     def count(self) -> int:
         """How many updates were added since the last reset."""
 
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """What the rule carries from one aggregate to the next (not the buffer), as named
+        arrays, so a restarted server resumes with it; empty for a stateless rule."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Take back what :meth:`state_dict` gave (from a rule with the same options)."""
+        if state:
+            raise AggregationError(f"rule {self.name!r} keeps no state, got {sorted(state)}")
+
     def _check(self, update: FlatVector, weight: float, factor: float) -> None:
         if update.shape != (self.size,):
             raise AggregationError(f"update has shape {update.shape}, expected ({self.size},)")

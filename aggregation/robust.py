@@ -111,6 +111,12 @@ def cap_weights(weights: Floats, *, ratio: float | None) -> Floats:
     return capped
 
 
+def _state_array(state: dict[str, np.ndarray], key: str, rule: str) -> np.ndarray:
+    if key not in state:
+        raise AggregationError(f"state of rule {rule!r} lacks {key!r}; got {sorted(state)}")
+    return np.asarray(state[key])
+
+
 def _check_weight_cap(ratio: float | None) -> None:
     if ratio is not None and not (math.isfinite(ratio) and ratio >= 1):
         raise AggregationError(f"weight_cap must be None or a ratio >= 1, got {ratio}")
@@ -384,6 +390,14 @@ class AdaptiveClipping(RobustAggregator):
         super().reset()
         self._recorded = False
 
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The last ``window`` buffers' median norms."""
+        return {"medians": np.array(self._medians, dtype=np.float64)}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        medians = _state_array(state, "medians", self.name)
+        self._medians = deque((float(m) for m in medians.ravel()), maxlen=self.window)
+
 
 class CoordinateMedian(RobustAggregator):
     """Coordinate-wise median, one vote per update (weights are ignored).
@@ -561,6 +575,17 @@ class CenteredClipping(RobustAggregator):
     def reset(self) -> None:
         super().reset()
         self._moved = False
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The centre (the last aggregate) and the last radius."""
+        return {"centre": self.centre.copy(), "last_tau": np.array([self.last_tau])}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        centre = _state_array(state, "centre", self.name)
+        if centre.shape != (self.size,):
+            raise AggregationError(f"centre has shape {centre.shape}, expected ({self.size},)")
+        self.centre = self._start = centre.astype(np.float32, copy=True)
+        self.last_tau = float(state.get("last_tau", np.zeros(1)).ravel()[0])
 
 
 register_aggregator("clip", AdaptiveClipping)

@@ -182,6 +182,27 @@ class SybilWeighting:
             self._hist[slot] = 0.0
             self._free.append(slot)
 
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The tracked clients (least recently observed first) and their histories."""
+        ids = list(self._slots)
+        rows = np.fromiter(self._slots.values(), dtype=np.intp, count=len(ids))
+        return {"ids": np.array(ids, dtype=str), "hist": self._hist[rows].copy()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Take back :meth:`state_dict`'s histories (same ``dim``; at most ``max_clients``)."""
+        if "ids" not in state or "hist" not in state:
+            raise AggregationError(f"Sybil state needs 'ids' and 'hist', got {sorted(state)}")
+        ids = [str(i) for i in np.asarray(state["ids"]).ravel()]
+        hist = np.asarray(state["hist"], dtype=np.float32).reshape(len(ids), -1) if ids else \
+            np.zeros((0, self.dim), dtype=np.float32)
+        if hist.shape != (len(ids), self.dim):
+            raise AggregationError(f"Sybil histories have shape {hist.shape}, expected "
+                                   f"({len(ids)}, {self.dim})")
+        ids, hist = ids[-self.max_clients:], hist[-self.max_clients:]
+        self._slots = OrderedDict((cid, i) for i, cid in enumerate(ids))
+        self._free = []
+        self._hist = hist.copy()
+
     def __contains__(self, client_id: object) -> bool:
         return client_id in self._slots
 
@@ -289,6 +310,14 @@ class SybilMean(RobustAggregator):
             self.scorer.forget(key)
         self._anonymous.clear()
 
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The clients' histories (anonymous one-off histories are not kept)."""
+        return {f"scorer.{k}": v for k, v in self.scorer.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self.scorer.load_state_dict({k[len("scorer."):]: v for k, v in state.items()
+                                     if k.startswith("scorer.")})
+
 
 class RobustDefault(SybilMean):
     """The recommended rule: Sybil weights, then adaptive norm clipping, then centred clipping.
@@ -347,6 +376,17 @@ class RobustDefault(SybilMean):
         if first:
             self.centre = out
         return out
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The histories and the centre (the last aggregate)."""
+        return {**super().state_dict(), "centre": self.centre.copy()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        super().load_state_dict(state)
+        centre = np.asarray(state.get("centre", np.zeros(0)), dtype=np.float32)
+        if centre.shape != (self.size,):
+            raise AggregationError(f"centre has shape {centre.shape}, expected ({self.size},)")
+        self.centre = self._start = centre.copy()
 
 
 register_aggregator("sybil", SybilMean)

@@ -288,7 +288,11 @@ async def _serve(server_cfg: Any, task: Any, args: argparse.Namespace) -> int:
     if resume == "auto":
         candidate = out / "checkpoint.npz"
         resume = str(candidate) if candidate.exists() else None
-    core = build_core(server_cfg, task, out_dir=out, resume=resume)
+        if args.durable and (out / "state.db").exists():
+            resume = None  # the durable state is the fuller record; it is used by itself
+    # Durable (the default): OUT/state.db keeps what a restart needs, and a server started on
+    # an OUT that holds state resumes from it (it logs "resumed from the durable state").
+    core = build_core(server_cfg, task, out_dir=out, resume=resume, durable=args.durable)
     srv = AggregatorServer(core)
     await srv.start()
     print(f"murmura server listening on {srv.address}", flush=True)
@@ -371,7 +375,8 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
         runtime = ClientRuntime(transport, trainer, client_id=cfg.client_id, identity=identity,
                                 profile=device_profile(trainer.device), token=cfg.token,
                                 codec=cfg.codec, wait_s=cfg.wait_s, update_hook=attack.update,
-                                retry=RetryPolicy(give_up_after_s=cfg.give_up_after_s))
+                                retry=RetryPolicy(give_up_after_s=cfg.give_up_after_s),
+                                on_ack=_ack_logger(cfg.ack_log) if cfg.ack_log else None)
         log.info("client id %s", runtime.client_id)
         stats = runtime.run(max_tasks=cfg.max_tasks)
         print(f"client {runtime.client_id}: {stats.pushed} updates pushed, {stats.refused} "
@@ -379,6 +384,18 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
         return stats
     finally:
         transport.close()
+
+
+def _ack_logger(path: str) -> Any:
+    """Append one JSON line per acknowledged update: id, version, staleness, duplicate."""
+    import json
+
+    def log_ack(update_id: str, reply: Any) -> None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"update_id": update_id, "version": reply.version,
+                                "staleness": reply.staleness,
+                                "duplicate": reply.duplicate}) + "\n")
+    return log_ack
 
 
 def cmd_client(args: argparse.Namespace) -> int:
@@ -471,7 +488,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, ServerConfig, title="server")
     p.add_argument("--out", default="runs/server", help="output directory (default: runs/server)")
     p.add_argument("--resume", default=None, metavar="PATH|auto",
-                   help="start from a checkpoint; 'auto' uses OUT/checkpoint.npz if present")
+                   help="start from a checkpoint; 'auto' uses OUT/checkpoint.npz if present "
+                   "(a durable OUT resumes from its state.db without this flag)")
+    p.add_argument("--durable", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep sessions, counted updates, counters and acknowledged updates in "
+                   "OUT/state.db, acknowledge a push once it is on disk, and resume from OUT "
+                   "after a crash or restart (default: on)")
     p.add_argument("--linger-s", type=float, default=5.0,
                    help="after the last version, keep telling clients to stop (default: 5)")
     p.set_defaults(fn=cmd_server)

@@ -37,6 +37,7 @@ class ClientConfig:
     give_up_after_s: float = 300.0
     attack: str = ""               # opt-in malicious mode (tests, red-team runs)
     attack_options: dict[str, str] = field(default_factory=dict)
+    ack_log: str = ""              # append one JSON line per acknowledged update to this file
 
     def __post_init__(self) -> None:
         if ":" not in self.server:

@@ -25,6 +25,7 @@ from murmura.protocols import (
     Encoder,
     FlatVector,
     ModelSpec,
+    PushResult,
     TaskSettings,
     UpdateHeader,
 )
@@ -87,7 +88,8 @@ class ClientRuntime:
                  sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.monotonic,
                  update_hook: UpdateHook | None = None,
-                 update_ids: UpdateIds | None = None) -> None:
+                 update_ids: UpdateIds | None = None,
+                 on_ack: Callable[[str, PushResult], None] | None = None) -> None:
         self.transport = transport
         self.trainer = trainer
         if identity is None and not client_id:
@@ -108,6 +110,9 @@ class ClientRuntime:
         self.clock = clock
         self.update_hook = update_hook
         self.update_ids = update_ids or UpdateIds()
+        #: Called with each acknowledged update's id and the server's answer (an audit trail:
+        #: ``murmura client --ack-log`` writes them to a file).
+        self.on_ack = on_ack
         self.stats = ClientStats()
         self.session = ""
         self.settings: TaskSettings | None = None
@@ -229,7 +234,7 @@ class ClientRuntime:
         metrics = dict(result.metrics)
         digest = payload_digest(payload) if self.identity is not None else b""
 
-        def push() -> object:
+        def push() -> PushResult:
             header = UpdateHeader(session=self.session, update_id=update_id, base_version=version,
                                   round=round_, num_examples=result.num_examples, codec=codec,
                                   payload_bytes=len(payload), metrics=metrics,
@@ -251,6 +256,8 @@ class ClientRuntime:
             return
         self.stats.pushed += 1
         self.stats.bytes_payload += len(payload)
-        if getattr(reply, "duplicate", False):
+        if reply.duplicate:
             self.stats.duplicates += 1
+        if self.on_ack is not None:
+            self.on_ack(update_id, reply)
 

@@ -17,10 +17,11 @@ from murmura.protocols import ModelSpec
 from murmura.protocols.tls import is_loopback, server_credentials
 from murmura.server.checkpoint import load_checkpoint
 from murmura.server.config import ServerConfig
-from murmura.server.core import AggregatorCore, evaluator_for
+from murmura.server.core import VERSIONS_DIR, AggregatorCore, evaluator_for, link_current
 from murmura.server.outputs import RunRecorder
 from murmura.server.publisher import Publisher
 from murmura.server.service import MAX_MESSAGE_BYTES, AggregatorServicer, add_servicer
+from murmura.server.store import DB_NAME, StateStore
 from murmura.server.tier import Tier
 from murmura.tasks import Task, TaskConfig, load_task
 
@@ -33,34 +34,92 @@ def build_core(config: ServerConfig, task_config: TaskConfig, *, out_dir: str | 
                resume: str | Path | None = None, evaluate: bool = True,
                extra_config: dict[str, Any] | None = None, task: Task | None = None,
                clock: Callable[[], float] = time.monotonic, checkpoint: bool = True,
-               fresh_metrics: bool = False) -> AggregatorCore:
+               fresh_metrics: bool = False, durable: bool = False) -> AggregatorCore:
     """The one way an aggregator is assembled, for the gRPC server, a leaf, the simulator and
     the benchmarks: initial model, evaluator, outputs, checkpoint, policy and decoder.
 
     ``task`` reuses an already loaded task; ``clock`` is the simulator's virtual clock;
     ``fresh_metrics`` starts a new metrics file in ``out_dir``. The transport decides where
     decoding and publishing run (:class:`AggregatorServer` gives them workers and a thread).
+
+    ``durable`` keeps the run's state in ``out_dir/state.db`` (server/store.py): a push is
+    acknowledged once it is on disk, and if the directory already holds state the run resumes
+    from it (sessions, counted ids, counters, the current version and the updates acknowledged
+    but not yet published), whatever ``resume`` says.
     """
     task = task if task is not None else load_task(task_config)
     model = task.build_model(seed=config.seed)
     spec = ModelSpec.from_module(model)
-    start = load_checkpoint(resume) if resume else None
-    recorder = None
-    checkpoint_path = None
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        if fresh_metrics and (out / "metrics.jsonl").exists():
-            (out / "metrics.jsonl").unlink()
-        recorder = RunRecorder(out_dir, config={
-            "server": dataclasses.asdict(config), "task": dataclasses.asdict(task_config),
-            **(extra_config or {})})
-        checkpoint_path = out / CHECKPOINT_NAME if checkpoint else None
     evaluator = evaluator_for(task.model_factory, spec, task.test) if evaluate else None
-    core = AggregatorCore(config, spec, spec.flatten(model), evaluator=evaluator, clock=clock,
-                          recorder=recorder, checkpoint_path=checkpoint_path, start=start)
-    if start is not None:
-        log.info("resumed from %s at version %d", resume, start.version)
+    return assemble_core(config, spec, spec.flatten(model), out_dir=out_dir, resume=resume,
+                         evaluator=evaluator, clock=clock, checkpoint=checkpoint,
+                         fresh_metrics=fresh_metrics, durable=durable, run_config={
+                             "server": dataclasses.asdict(config),
+                             "task": dataclasses.asdict(task_config), **(extra_config or {})})
+
+
+def assemble_core(config: ServerConfig, spec: ModelSpec, initial: Any, *,
+                  out_dir: str | Path | None, resume: str | Path | None = None,
+                  evaluator: Any = None, clock: Callable[[], float] = time.monotonic,
+                  checkpoint: bool = True, fresh_metrics: bool = False, durable: bool = False,
+                  run_config: dict[str, Any] | None = None) -> AggregatorCore:
+    """:func:`build_core` once the model is known: outputs, checkpoint and durable state."""
+    store = stored = None
+    if durable:
+        if out_dir is None or not checkpoint or config.role != "top":
+            raise ValueError("durable state needs an output directory, checkpoints and the "
+                             "top role")
+        existed = (Path(out_dir) / DB_NAME).exists()
+        store = StateStore(out_dir)
+        stored = store.load()
+        if not existed or stored.empty:
+            stored = None
+        elif resume:
+            log.warning("%s holds durable state; resuming from it, not from %s", out_dir,
+                        resume)
+    try:
+        if stored is not None:
+            assert out_dir is not None
+            start = (load_checkpoint(Path(out_dir) / stored.checkpoint) if stored.checkpoint
+                     else None)
+        else:
+            start = load_checkpoint(resume) if resume else None
+        recorder = None
+        checkpoint_path = None
+        if out_dir is not None:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            if fresh_metrics and stored is None and (out / "metrics.jsonl").exists():
+                (out / "metrics.jsonl").unlink()
+            rows = stored.rows if stored is not None else None
+            up_to = None  # keep the file's rows up to the version the run starts from
+            if rows is None and (start is not None or store is not None):
+                up_to = start.version if start is not None else 0
+            recorder = RunRecorder(out_dir, rows=rows, up_to=up_to, config=run_config)
+            checkpoint_path = out / CHECKPOINT_NAME if checkpoint else None
+            if stored is not None and stored.checkpoint:
+                # a crash may have left a newer, uncommitted checkpoint: the store names the
+                # current one
+                link_current(out, stored.checkpoint, out / CHECKPOINT_NAME)
+            elif store is not None:
+                for p in (out / VERSIONS_DIR).glob("v*.npz"):
+                    p.unlink()
+        core = AggregatorCore(config, spec, initial, evaluator=evaluator,
+                              clock=clock, recorder=recorder, checkpoint_path=checkpoint_path,
+                              start=start, store=store, stored=stored)
+        if stored is not None:
+            replayed = core.replay(stored.pending)
+            log.info("resumed from the durable state in %s at version %d: %d sessions, %d "
+                     "updates counted, %d acknowledged updates replayed", out_dir, core.version,
+                     len(core.sessions), core.traffic.updates, replayed)
+        elif start is not None:
+            log.info("resumed from %s at version %d", resume, start.version)
+        elif store is not None:
+            log.info("durable state in %s", store.path)
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
     return core
 
 
@@ -159,6 +218,7 @@ class AggregatorServer:
             self._server = None
         # Versions being made are finished (metrics, checkpoint) before the tier goes.
         await asyncio.get_running_loop().run_in_executor(None, self.core.publisher.close)
+        await asyncio.get_running_loop().run_in_executor(None, self.core.close)
         if self.tier is not None:
             await self.tier.close()
             self.tier = None

@@ -8,9 +8,11 @@ It is not thread-safe: drive it from one thread or one event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import time
 from collections import OrderedDict
@@ -56,6 +58,7 @@ from murmura.server.errors import (
     ResourceExhausted,
     ServiceError,
     Unauthenticated,
+    Unavailable,
 )
 from murmura.server.limits import (
     MAX_ID,
@@ -67,11 +70,12 @@ from murmura.server.limits import (
     quote,
 )
 from murmura.server.model import ModelRule, OptimizerRule, PoolRule
-from murmura.server.outputs import RunRecorder
+from murmura.server.outputs import RunRecorder, clean_row
 from murmura.server.policy import AsyncPolicy, Policy, SyncPolicy
 from murmura.server.pool import PoolState
 from murmura.server.publisher import Publisher
 from murmura.server.ratelimit import RateLimiter
+from murmura.server.store import PendingUpdate, SpoolRef, StateStore, StoredState, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +94,13 @@ REFERENCE_VERSIONS = 3
 CHALLENGE_TTL_S = 60.0
 MAX_CHALLENGES = 10_000
 NONCE_BYTES = 32
+#: Versioned checkpoints of a durable run, under the output directory; the state database
+#: names the current one, and ``checkpoint.npz`` is linked to it.
+VERSIONS_DIR = "checkpoints"
+#: Prefix of the aggregation rule's state arrays in a checkpoint (robust and Sybil rules).
+AGG_PREFIX = "agg."
+#: How often (seconds) the tick writes counters that changed without a commit (downloads).
+COUNTERS_EVERY_S = 2.0
 
 
 @dataclass
@@ -136,7 +147,9 @@ class AggregatorCore:
                  clock: Callable[[], float] = time.monotonic,
                  recorder: RunRecorder | None = None,
                  checkpoint_path: str | Path | None = None,
-                 start: Checkpoint | None = None) -> None:
+                 start: Checkpoint | None = None,
+                 store: StateStore | None = None,
+                 stored: StoredState | None = None) -> None:
         spec.check_vector(initial)
         self.config = config
         self.spec = spec
@@ -182,8 +195,30 @@ class AggregatorCore:
         self._seen: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._inflight: set[tuple[str, str]] = set()
         self.traffic = Traffic()
+        #: Durable state (server/store.py): a push is acknowledged once it is on disk there.
+        self.store = store
+        if store is not None and self.checkpoint_path is None:
+            raise ValueError("durable state needs a checkpoint path (the output directory)")
+        #: The future of the last durable operation a request started (the transport awaits
+        #: it before answering), or None.
+        self.last_durable: Future[Any] | None = None
+        #: Set when the state store failed: no update is acknowledged any more.
+        self.store_error: BaseException | None = None
+        self._seq = 0                  # numbers accepted updates (the store's pending rows)
+        self._batch: list[int] = []    # accepted since the last publish: the next version's
+        self._counters_at = 0.0
+        #: Counted updates whose commit is not done yet, with its future.
+        self._committing: dict[tuple[str, str], Future[Any]] = {}
+        self._counters_seen: tuple[int, int, int] = (0, 0, 0)
+        #: Tests: called with the name of each step of a durable publish (to inject a crash).
+        self.crash_hook: Callable[[str], None] | None = None
+        elapsed = 0.0
+        if stored is not None:
+            elapsed = self._restore(stored)
+        elif start is not None:  # a checkpoint alone: its counters continue
+            elapsed = self._restore_counters(start.meta)
         self.done = self.version >= config.max_versions
-        self.t0 = clock()
+        self.t0 = clock() - elapsed  # time_s continues where the last run left it
         self.last_metrics: dict[str, Any] = {}
         self._listeners: list[Callable[[], None]] = []
         #: Runs folds and publishing in order; a server gives it a thread (see publisher.py).
@@ -210,6 +245,87 @@ class AggregatorCore:
         #: Extra figures for the metrics row (the serverless tier's workers and queue).
         self.row_extras: Callable[[], dict[str, Any]] | None = None
         self.policy: Policy = SyncPolicy(self) if config.mode == "sync" else AsyncPolicy(self)
+        if start is not None:
+            agg_state = {k[len(AGG_PREFIX):]: v for k, v in start.extra.items()
+                         if k.startswith(AGG_PREFIX)}
+            if agg_state:
+                self.policy.aggregator.load_state_dict(agg_state)
+        if stored is not None and stored.rows:
+            self.policy.restore_round(int(stored.rows[-1].get("round", 0)))
+
+    # -- durable state ------------------------------------------------------------------------
+
+    def _restore_counters(self, counters: dict[str, Any]) -> float:
+        self.traffic.updates = int(counters.get("updates", 0))
+        self.traffic.bytes_up = int(counters.get("bytes_up", 0))
+        self.traffic.bytes_down = int(counters.get("bytes_down", 0))
+        self.traffic.refused = {str(k): int(v) for k, v in
+                                dict(counters.get("refused", {})).items()}
+        return float(counters.get("time_s", 0.0))
+
+    def _restore(self, stored: StoredState) -> float:
+        """Sessions, counted update ids and counters as the store kept them."""
+        now = self.clock()
+        for session, client_id, profile, _, public_key in stored.sessions:
+            self.sessions[session] = ClientRecord(session, client_id, DeviceProfile(**profile),
+                                                  now, last_seen=now, public_key=public_key)
+            self._last_seen[session] = now  # a restart counts as use: expiry starts over
+            self._session_of[client_id] = session
+        for client_id, update_id, staleness in stored.seen:
+            self._seen[(client_id, update_id)] = staleness
+        self._seq = max([int(stored.counters.get("seq", 0))] + [p.seq for p in stored.pending])
+        return self._restore_counters(stored.counters)
+
+    def counters(self) -> dict[str, Any]:
+        """What the store keeps of the counters; they continue after a restart."""
+        return {"updates": self.traffic.updates, "bytes_up": self.traffic.bytes_up,
+                "bytes_down": self.traffic.bytes_down, "refused": dict(self.traffic.refused),
+                "time_s": round(self.clock() - self.t0, 6), "seq": self._seq}
+
+    def _durable(self, op: Any, *, publishes: bool = False) -> Future[Any]:
+        """Queue ``op`` for the next group commit; remember its future for the transport."""
+        assert self.store is not None
+        fut = self.store.submit(op, counters=self.counters(), publishes=publishes)
+        fut.add_done_callback(self._check_store)
+        self.last_durable = fut
+        return fut
+
+    def _check_store(self, fut: Future[Any]) -> None:
+        exc = fut.exception()
+        if exc is not None and self.store_error is None:
+            self.store_error = exc
+            log.critical("the durable state could not be written (%s); updates are refused "
+                         "from now on: free disk space and restart the server", exc)
+
+    def replay(self, pending: list[PendingUpdate]) -> int:
+        """Hand the updates acknowledged and not yet published back to the policy, in their
+        original order, so the buffer is as it was. Returns how many were replayed."""
+        assert self.store is not None
+        n = 0
+        for p in pending:
+            header = UpdateHeader(**{**p.header,
+                                     "signature": bytes.fromhex(p.header.get("signature", ""))})
+            try:
+                payload = self.store.read_payload(p.ref)
+                decoded = self.decoder.decode(header.codec, payload,
+                                              reference=self.reference_for(header))
+            except Exception as exc:  # noqa: BLE001 - decoded once already: a damaged spool
+                log.error("pending update %s of %s cannot be replayed and is lost: %s",
+                          header.update_id, p.client_id, exc)
+                continue
+            self._batch.append(p.seq)
+            self.policy.restore(p.client_id, header, decoded, p.staleness)
+            n += 1
+        return n
+
+    def close(self) -> None:
+        """Write the final counters and close the durable state (if any)."""
+        if self.store is not None:
+            try:
+                self.store.submit(_no_op, counters=self.counters()).result(30)
+            except Exception as exc:  # noqa: BLE001 - closing must go on
+                log.warning("could not write the final counters: %s", exc)
+            self.store.close()
 
     def _start_pool(self, start: Checkpoint | None) -> PoolState | None:
         """The FedKSeed state when the settings ask for a seed pool (see server/pool.py)."""
@@ -281,6 +397,8 @@ class AggregatorCore:
         self._left[session] = rec.client_id
         if len(self._left) > SEEN_UPDATES:
             self._left.popitem(last=False)
+        if self.store is not None:
+            self._durable(StateStore.op_leave(session))
         self.policy.on_leave(rec)
 
     def expire_sessions(self, now: float) -> int:
@@ -389,6 +507,11 @@ class AggregatorCore:
                                               public_key=public_key)
         self._last_seen[session] = now
         self._session_of[client_id] = session
+        self.last_durable = None
+        if self.store is not None:
+            self._durable(StateStore.op_session(session, client_id, dataclasses.asdict(profile),
+                                                time.time(), public_key=public_key,
+                                                replaces=old))
         log.info("client %s joined (%s)", client_id, profile.device)
         self._changed()
         return JoinResult(session=session, settings=self.config.train, mode=self.config.mode,
@@ -473,16 +596,27 @@ class AggregatorCore:
              wire_bytes: int = 0) -> PushResult:
         """Validate, decode (inline) and hand one update to the policy; refuse with a
         ServiceError."""
+        self.last_durable = None
         rec, duplicate = self.begin_push(header, len(payload), wire_bytes=wire_bytes)
         if duplicate is not None:
+            if self.last_durable is not None:
+                self.last_durable.result()
             return duplicate
         try:
             decoded = self.decoder.decode(header.codec, payload,
                                           reference=self.reference_for(header))
+            spooled = (self.store.spool(bytes(payload)).result()
+                       if self.store is not None else None)
         except BaseException as exc:
             self.abort_push(header, exc)
             raise
-        return self.finish_push(header, decoded)
+        result = self.finish_push(header, decoded, spooled=spooled)
+        if self.last_durable is not None:
+            try:
+                self.last_durable.result()
+            except Exception as exc:
+                raise Unavailable(f"the update could not be made durable: {exc}") from None
+        return result
 
     def precheck(self, header: UpdateHeader) -> ClientRecord:
         """Checks that need only the header, so a transport can refuse before the payload.
@@ -533,6 +667,8 @@ class AggregatorCore:
         """
         self.traffic.bytes_up += wire_bytes  # refused updates crossed the wire too
         try:
+            if self.store_error is not None:
+                raise Unavailable("the aggregator cannot write its durable state; retry later")
             rec = self._record(header.session)
             wait = self._push_limit.allow(rec.client_id, self.clock())
             if wait:
@@ -541,6 +677,9 @@ class AggregatorCore:
                                         retry_after_s=wait)
             key = (rec.client_id, header.update_id)
             if key in self._seen:
+                # A retry while the first push still waits for its commit: the duplicate is
+                # answered once the update is durable too (the transport awaits this).
+                self.last_durable = self._committing.get(key)
                 return rec, PushResult(duplicate=True, version=self.version,
                                        staleness=self._seen[key])
             if key in self._inflight:
@@ -575,12 +714,19 @@ class AggregatorCore:
         return (rec.client_id if rec else "", header.update_id)
 
     def finish_push(self, header: UpdateHeader, decoded: Decoded, *,
-                    release: Callable[[], None] | None = None) -> PushResult:
+                    release: Callable[[], None] | None = None,
+                    spooled: SpoolRef | None = None) -> PushResult:
         """Hand a decoded update to the policy. ``release`` is called once nothing needs the
-        decoded values any more (after the fold), also when the update is refused."""
+        decoded values any more (after the fold), also when the update is refused.
+
+        With durable state, ``spooled`` is where the payload lies in the spool; the update is
+        acknowledged only once :attr:`last_durable` is done (its pending row and counted id
+        are committed before any version that includes it: the store runs in order).
+        """
         key = self._key(header)
         self._inflight.discard(key)
         digest = decoded.payload_sha256
+        self.last_durable = None
         taken = False
         try:
             rec = self._record(header.session)  # the client may have left meanwhile
@@ -596,15 +742,33 @@ class AggregatorCore:
                     f"update too large to aggregate: max |value| x num_examples = {mass:.3g} "
                     f"would take this version's aggregate past {self.fold_limit:.3g} (its "
                     f"range, with {self.fold_mass:.3g} already taken)")
+            if self.store is not None and spooled is None:
+                raise Unavailable("the update's payload was not spooled; retry")
             # counted before the policy may publish a version with it (which resets the mass)
             self.traffic.updates += 1
             self.fold_mass += mass
+            seq = 0
+            if self.store is not None:
+                assert spooled is not None
+                self._seq += 1
+                seq = self._seq
+                self._batch.append(seq)  # before accept: it may publish the version with it
+                fut = self._durable(self.store.op_push(seq, rec.client_id, header.update_id,
+                                                       _header_record(header), staleness,
+                                                       spooled))
+                self._committing[key] = fut
+                fut.add_done_callback(lambda _: self._committing.pop(key, None))
             try:
                 self.policy.accept(rec, header, decoded, staleness, release)
                 taken = True
             except BaseException:
                 self.traffic.updates -= 1
                 self.fold_mass -= mass
+                if seq:
+                    self._batch.remove(seq)
+                    self._committing.pop(key, None)
+                    self._durable(StateStore.op_drop(seq, rec.client_id, header.update_id))
+                    self.last_durable = None
                 raise
         except ServiceError as exc:
             self.count_refusal(exc)
@@ -634,6 +798,15 @@ class AggregatorCore:
         now = self.clock()
         self.expire_sessions(now)
         self.policy.tick(now)
+        if self.store is not None and self.store_error is None:
+            # Downloads and refusals commit nothing themselves: write the counters now and
+            # then, so a crash loses at most a few seconds of them.
+            wall = time.monotonic()
+            snapshot = (self.traffic.bytes_up, self.traffic.bytes_down,
+                        sum(self.traffic.refused.values()))
+            if wall - self._counters_at >= COUNTERS_EVERY_S and snapshot != self._counters_seen:
+                self._counters_at, self._counters_seen = wall, snapshot
+                self.store.submit(_no_op, counters=self.counters())
 
     def add_download(self, nbytes: int) -> None:
         self.traffic.bytes_down += nbytes
@@ -685,42 +858,88 @@ class AggregatorCore:
         }
         if self.row_extras is not None:
             row.update(self.row_extras())
-        fut = self.publisher.submit(lambda: self._make_version(aggregator, row))
+        seqs, self._batch = self._batch, []
+        fut = self.publisher.submit(lambda: self._make_version(aggregator, row, seqs))
         fut.add_done_callback(lambda f: self.post(lambda: self._install(f)))
         self.publishes += 1
         self.last_publish = fut
 
-    def _make_version(self, aggregator: Aggregator, row: dict[str, Any]
-                      ) -> tuple[FlatVector, dict[str, Any], Any]:
+    def _make_version(self, aggregator: Aggregator, row: dict[str, Any],
+                      seqs: list[int] | None = None) -> tuple[FlatVector, dict[str, Any], Any]:
         """On the publisher thread: aggregate, step, evaluate, record, checkpoint."""
         t0 = time.perf_counter()
         try:
-            delta = aggregator.result()
-        finally:
-            aggregator.reset()
-        with np.errstate(over="ignore", invalid="ignore"):  # checked just below
-            params = self.rule.advance(self._pub_params, delta)  # ValueError: dropped
-        try:
-            check_range(params, "the new global model")
-        except ServiceError as exc:  # e.g. a server optimizer's step overflowed
-            raise ValueError(f"{exc.message}; the version is dropped") from None
+            try:
+                delta = aggregator.result()
+            finally:
+                aggregator.reset()
+            with np.errstate(over="ignore", invalid="ignore"):  # checked just below
+                params = self.rule.advance(self._pub_params, delta)  # ValueError: dropped
+            try:
+                check_range(params, "the new global model")
+            except ServiceError as exc:  # e.g. a server optimizer's step overflowed
+                raise ValueError(f"{exc.message}; the version is dropped") from None
+        except ValueError:
+            if self.store is not None and seqs:  # its updates are spent: never replay them
+                self.store.submit(StateStore.op_consume(seqs), publishes=True)
+            raise
         t1 = time.perf_counter()
         self._pub_params = params
         self._pub_version += 1
         row = {"version": self._pub_version, **row, "aggregate_s": round(t1 - t0, 6)}
         if self.evaluator is not None:
             row.update(self.evaluator(params))
-        if self.recorder is not None:
-            self.recorder.record(row)
-        if self.checkpoint_path is not None:
-            optimizer_state, meta, extra = self.rule.checkpoint_state()
-            save_checkpoint(self.checkpoint_path, Checkpoint(
-                version=self._pub_version, params=params, spec_fingerprint=self.fingerprint,
-                optimizer_state=optimizer_state,
-                meta={"mode": self.config.mode, "updates": row["updates"], **meta}, extra=extra))
+        if self.store is not None:
+            self._publish_durably(params, aggregator, clean_row(row), seqs or [])
+        else:
+            if self.recorder is not None:
+                self.recorder.record(row)
+            if self.checkpoint_path is not None:
+                save_checkpoint(self.checkpoint_path,
+                                self._checkpoint(params, aggregator, row))
         row["publish_s"] = round(time.perf_counter() - t0, 6)
         scalars = self.pool.scalars if self.pool is not None else None
         return params, row, scalars
+
+    def _checkpoint(self, params: FlatVector, aggregator: Aggregator, row: dict[str, Any]
+                    ) -> Checkpoint:
+        optimizer_state, meta, extra = self.rule.checkpoint_state()
+        extra = dict(extra)
+        extra.update({AGG_PREFIX + k: v for k, v in aggregator.state_dict().items()})
+        counters = {k: row[k] for k in ("updates", "bytes_up", "bytes_down", "time_s")
+                    if k in row}
+        return Checkpoint(version=self._pub_version, params=params,
+                          spec_fingerprint=self.fingerprint, optimizer_state=optimizer_state,
+                          meta={"mode": self.config.mode, **counters, **meta}, extra=extra)
+
+    def _crash_point(self, step: str) -> None:
+        if self.crash_hook is not None:
+            self.crash_hook(step)
+
+    def _publish_durably(self, params: FlatVector, aggregator: Aggregator,
+                         row: dict[str, Any], seqs: list[int]) -> None:
+        """Publish as one atomic step: the checkpoint file (named after its version) first,
+        then one commit that records the row, makes that file current and consumes the
+        version's pending updates; only then the metrics line and ``checkpoint.npz``.
+
+        A crash before the commit leaves the old version (its pending updates replay, the
+        orphan file is deleted at start-up); after it, the new one (``metrics.jsonl`` is
+        rewritten from the committed rows at start-up, so no line is lost or doubled).
+        """
+        assert self.store is not None and self.checkpoint_path is not None
+        out = self.checkpoint_path.parent
+        name = f"{VERSIONS_DIR}/v{self._pub_version:08d}.npz"
+        save_checkpoint(out / name, self._checkpoint(params, aggregator, row))
+        self._crash_point("checkpoint_written")
+        fut = self.store.submit(StateStore.op_version(self._pub_version, row, name, seqs),
+                                counters=None, publishes=True)
+        fut.add_done_callback(self._check_store)
+        fut.result()  # the publisher waits; the event loop does not
+        self._crash_point("committed")
+        if self.recorder is not None:
+            self.recorder.record(row)
+        self._crash_point("recorded")
+        link_current(out, name, self.checkpoint_path)
 
     def _install(self, fut: Any) -> None:
         """On the owner's thread: the publisher's new version becomes the global one."""
@@ -763,8 +982,36 @@ class AggregatorCore:
                 "publishing": self.publishing, "refused": dict(self.traffic.refused)}
 
 
+def _header_record(header: UpdateHeader) -> dict[str, Any]:
+    """The header as JSON-ready fields (the signature as hex) for the pending-updates table."""
+    record = dataclasses.asdict(header)
+    record["signature"] = header.signature.hex()
+    return record
+
+
 def _call_now(fn: Callable[[], None]) -> None:
     fn()
+
+
+def _no_op(_: Any) -> None:
+    pass
+
+
+def link_current(out: Path, name: str, current: Path) -> None:
+    """Point ``current`` (checkpoint.npz) at the committed versioned checkpoint ``name`` (a
+    hard link swapped in atomically) and delete the other versioned checkpoints."""
+    target = out / name
+    tmp = current.with_name(current.name + ".link-tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(target, tmp)
+        os.replace(tmp, current)
+        fsync_dir(current.parent)
+    except OSError as exc:  # checkpoint.npz is a convenience copy; the store is the truth
+        log.warning("could not update %s: %s", current, exc)
+    for p in (out / VERSIONS_DIR).glob("v*.npz"):
+        if p.name != target.name:
+            p.unlink(missing_ok=True)
 
 
 def _log_fold_error(fut: Any) -> None:

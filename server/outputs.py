@@ -5,26 +5,45 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 
-class RunRecorder:
-    """Appends one JSON line per global version; writes the summary and plots at the end."""
+def clean_row(row: dict[str, Any]) -> dict[str, Any]:
+    """The row as JSON can hold it: non-finite floats become None."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in row.items()}
 
-    def __init__(self, out_dir: str | Path, *, config: dict[str, Any] | None = None) -> None:
+
+class RunRecorder:
+    """Appends one JSON line per global version; writes the summary and plots at the end.
+
+    A resumed run passes the rows it already has (``rows``: the durable state's, or
+    ``up_to``: keep the file's rows up to the checkpoint's version), so ``metrics.jsonl``, the
+    summary and the plot cover the whole run, and no version appears twice.
+    """
+
+    def __init__(self, out_dir: str | Path, *, config: dict[str, Any] | None = None,
+                 rows: list[dict[str, Any]] | None = None, up_to: int | None = None) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.config = config or {}
-        self.rows: list[dict[str, Any]] = []
+        if rows is None and up_to is not None:
+            rows = [r for r in read_rows(self.metrics_path) if r.get("version", 0) <= up_to]
+        self.rows: list[dict[str, Any]] = list(rows) if rows is not None else []
+        if rows is not None:  # rewrite the file from the rows, atomically
+            tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.rows),
+                           encoding="utf-8")
+            os.replace(tmp, self.metrics_path)
         self._file = self.metrics_path.open("a", encoding="utf-8")
 
     def record(self, row: dict[str, Any]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in row.items()}
+        clean = clean_row(row)
         self.rows.append(clean)
         self._file.write(json.dumps(clean, sort_keys=True) + "\n")
         self._file.flush()
@@ -55,6 +74,19 @@ class RunRecorder:
             except Exception:  # a missing plot must not lose a finished run's results
                 log.exception("could not draw the accuracy plot")
         return summary
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics file (a torn last line, from a crash, is skipped)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def plot_run(rows: list[dict[str, Any]], path: Path) -> None:

@@ -85,6 +85,15 @@ class Policy(ABC):
         Once taken, ``release`` (if any) must be called after the update has been folded.
         """
 
+    @abstractmethod
+    def restore(self, client_id: str, header: UpdateHeader, update: Decoded,
+                staleness: int) -> None:
+        """Take back an update that was accepted (and acknowledged) before a restart and not
+        yet published: no checks, it passed them once (see server/store.py)."""
+
+    def restore_round(self, round_id: int) -> None:  # noqa: B027 - optional hook
+        """The last published version's round, so a restarted run continues the numbering."""
+
     def on_leave(self, rec: ClientRecord) -> None:  # noqa: B027 - optional hook
         """A client left or was dropped."""
 
@@ -204,6 +213,16 @@ class SyncPolicy(Policy):
         count, self._folded = self._folded, 0
         self.core.publish(self.agg, updates=count, round_id=self.round)
 
+    def restore(self, client_id: str, header: UpdateHeader, update: Decoded,
+                staleness: int) -> None:
+        # The round it answered is gone with the old process: it enters the next round's
+        # version as a late update would, with its staleness weight.
+        self._fold(update, float(header.num_examples), self.staleness(staleness), client_id,
+                   None)
+
+    def restore_round(self, round_id: int) -> None:
+        self.round = max(self.round, round_id)
+
     def on_leave(self, rec: ClientRecord) -> None:
         if self.open and rec.client_id in self._members and rec.client_id not in self.submitted:
             self.dropped.add(rec.client_id)
@@ -249,13 +268,21 @@ class AsyncPolicy(Policy):
             raise FailedPrecondition(str(exc)) from exc
         except AggregationError as exc:
             raise InvalidArgument(str(exc)) from exc
+        self._take(rec.client_id, header, update, staleness, release)
+
+    def _take(self, client_id: str, header: UpdateHeader, update: Decoded, staleness: int,
+              release: Release) -> None:
         self._count += update.count
         self.core.fold(fold_into, update, self.aggregator, float(header.num_examples),
-                       factor=self.staleness(staleness), client_id=rec.client_id,
+                       factor=self.staleness(staleness), client_id=client_id,
                        release=release)
         if self._count >= self.buffer.buffer_size:
             count, self._count = self._count, 0
             self.core.publish(self.aggregator, updates=count)
+
+    def restore(self, client_id: str, header: UpdateHeader, update: Decoded,
+                staleness: int) -> None:
+        self._take(client_id, header, update, staleness, None)
 
     def buffered(self) -> int:
         return self._count

@@ -20,7 +20,7 @@ from murmura.protocols import serde
 from murmura.protocols.pool import POOL_SCALARS_CODEC
 from murmura.server.buffers import ReceiveBuffer
 from murmura.server.core import AggregatorCore
-from murmura.server.errors import InvalidArgument, ServiceError
+from murmura.server.errors import InvalidArgument, ServiceError, Unavailable
 from murmura.server.limits import MAX_TEXT, check_number, check_text
 from murmura.server.slabs import Slab
 from murmura.server.tier import Tier
@@ -138,8 +138,9 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                                     token=request.token,
                                     protocol_version=request.protocol_version,
                                     proof=serde.join_proof_from_proto(request))
+            await _durable(self.core.last_durable, "the session")
         except ServiceError as exc:
-            log.info("join refused: %s %s", exc.status, exc.message)
+            self.log_limit.log(exc.status, "join refused: %s %s", exc.status, exc.message)
             await self._abort(context, exc)
         return serde.join_result_to_proto(result, self.core.spec)
 
@@ -239,24 +240,45 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 raise InvalidArgument(f"header announced {header.payload_bytes} payload bytes, "
                                       f"the stream carried {received}")
             assert lease is not None
+            core.last_durable = None
             _, duplicate = core.begin_push(header, received, wire_bytes=wire)
             if duplicate is not None:
+                await _durable(core.last_durable, "the update")
                 return serde.push_result_to_proto(duplicate)
             taken, lease = lease, None  # the tier owns it now, also when decoding fails
+            spooling = None
+            if core.store is not None:
+                # The payload goes to the spool (store thread) while it is decoded.
+                spooling = core.store.spool(taken.view if isinstance(taken, ReceiveBuffer)
+                                            else taken.buf[:received])
             try:
                 decoded, release = await tier.decode(header, taken, core.reference_for(header),
                                                      header.base_version)
             except BaseException as exc:
                 core.abort_push(header, exc)
                 raise
+            spooled = None
+            if spooling is not None:
+                try:  # the buffer must outlive the spool write: the fold may release it
+                    spooled = await asyncio.wrap_future(spooling)
+                except BaseException as exc:  # disk full or failing, or the client went away
+                    release()
+                    if not isinstance(exc, Exception):  # cancelled: forget the update
+                        core.abort_push(header, exc)
+                        raise
+                    err = Unavailable(f"the update could not be spooled: {exc}"[:200])
+                    core.abort_push(header, err)
+                    raise err from None
             if context.cancelled():  # the client gave up: it must not count (it may retry)
                 if release is not None:
                     release()
                 core.abort_push(header, asyncio.CancelledError())
                 raise asyncio.CancelledError()
             publishes = core.publishes
-            result = core.finish_push(header, decoded, release=release)
+            result = core.finish_push(header, decoded, release=release, spooled=spooled)
             del decoded, release  # the fold releases the buffers once nothing holds them
+            # Acknowledged only once durable (a group commit on the store thread).
+            await _durable(core.last_durable, "the update")
             if core.publishes != publishes and core.last_publish is not None:
                 # This update completed a version: answer once it is out (the loop stays free
                 # meanwhile), so the reply names the version that includes it.
@@ -285,6 +307,16 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         except ServiceError as exc:
             await self._abort(context, exc)
         return pb.LeaveReply()
+
+
+async def _durable(fut: object, what: str) -> None:
+    """Wait (off the loop) until a durable operation is on disk; UNAVAILABLE if it failed."""
+    if fut is None:
+        return
+    try:
+        await asyncio.wrap_future(fut)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - the store logged it
+        raise Unavailable(f"{what} could not be made durable; retry later") from exc
 
 
 SERVICE = "murmura.v1.Aggregator"

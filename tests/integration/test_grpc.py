@@ -129,7 +129,8 @@ def test_a_plain_generated_stub_interoperates(serve) -> None:
         payload = np.full(4, 3.0, "<f4").tobytes()
         chunks = [pb.UpdateChunk(header=pb.UpdateHeader(
             session=join.session, update_id="x", num_examples=1, codec="dense-f32",
-            payload_bytes=len(payload), spec_fingerprint=vector_spec(4).fingerprint())), pb.UpdateChunk(data=payload[:6]),
+            payload_bytes=len(payload), spec_fingerprint=vector_spec(4).fingerprint())),
+            pb.UpdateChunk(data=payload[:6]),
             pb.UpdateChunk(data=payload[6:])]
         assert stub.Push(iter(chunks), timeout=5).version == 1
         model = list(stub.Pull(pb.PullRequest(session=join.session), timeout=5))

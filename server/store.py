@@ -1,0 +1,454 @@
+"""Durable aggregator state: one SQLite database (WAL) and a payload spool, in the run's output
+directory, written by one store thread with group commit.
+
+What it keeps, so that a ``kill -9`` loses no acknowledged update and counts none twice:
+
+* ``sessions``: joined clients, so they carry on after a restart with their sessions;
+* ``seen``: every counted ``(client_id, update_id)`` with its staleness, so a push retried
+  after a restart answers "duplicate" instead of being counted again;
+* ``pending``: updates acknowledged but not yet part of a published version, as their header
+  and the raw payload (appended to a spool segment file); a restart decodes them again and
+  hands them to the policy in their original order;
+* ``versions``: the metrics row of every published version, with the checkpoint file it made
+  current; ``metrics.jsonl`` is written from these rows, so it never holds a version twice;
+* ``meta``: the counters (updates, bytes, refusals, elapsed time) and the current version.
+
+Publishing is one transaction: the version's row, the checkpoint name it makes current and the
+deletion of the pending rows it consumed commit together (the checkpoint file, named after its
+version, is on disk before). A crash leaves either the old version with its pending updates or
+the new one without them.
+
+Durability never blocks the event loop: callers get a :class:`~concurrent.futures.Future` that
+resolves once the operation is on disk. The store thread takes every operation queued while it
+was busy and covers them with one spool ``fsync`` and one SQLite commit (group commit).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DB_NAME = "state.db"
+LOCK_NAME = "state.lock"
+SPOOL_DIR = "spool"
+#: A spool segment is closed and a new one started past this size; a segment is deleted once
+#: no pending update refers to it.
+SEGMENT_BYTES = 64 << 20
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions (session TEXT PRIMARY KEY, client_id TEXT NOT NULL,
+    profile TEXT NOT NULL, joined_at REAL NOT NULL, public_key BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS seen (n INTEGER PRIMARY KEY AUTOINCREMENT, client_id TEXT NOT NULL,
+    update_id TEXT NOT NULL, staleness INTEGER NOT NULL, UNIQUE (client_id, update_id));
+CREATE TABLE IF NOT EXISTS pending (seq INTEGER PRIMARY KEY, client_id TEXT NOT NULL,
+    header TEXT NOT NULL, staleness INTEGER NOT NULL, segment INTEGER NOT NULL,
+    offset INTEGER NOT NULL, length INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS versions (version INTEGER PRIMARY KEY, row TEXT NOT NULL,
+    checkpoint TEXT NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class SpoolRef:
+    """Where a payload lies in the spool: segment number, byte offset, length."""
+
+    segment: int
+    offset: int
+    length: int
+
+
+@dataclass
+class PendingUpdate:
+    seq: int
+    client_id: str
+    header: dict[str, Any]
+    staleness: int
+    ref: SpoolRef
+
+
+@dataclass
+class StoredState:
+    """What the store held when it was opened (read once at start-up)."""
+
+    version: int = 0
+    checkpoint: str = ""
+    counters: dict[str, Any] = field(default_factory=dict)
+    #: (session, client id, profile, joined_at, the Ed25519 key proven at Join or b"")
+    sessions: list[tuple[str, str, dict[str, Any], float, bytes]] = field(default_factory=list)
+    seen: list[tuple[str, str, int]] = field(default_factory=list)
+    pending: list[PendingUpdate] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.version or self.sessions or self.seen or self.pending or self.counters)
+
+
+Op = Callable[[sqlite3.Connection], None]
+
+
+@dataclass
+class _Job:
+    op: Op | None                     # a database change (None: a spool write or a stop)
+    counters: dict[str, Any] | None   # the counters as of this job (the newest is written)
+    future: Future[Any]
+    data: memoryview | None = None    # a payload to append to the spool
+    publishes: bool = False           # a version commit: spool segments may be freed after
+
+
+class StateStore:
+    """The durable state of one aggregator run in ``out_dir`` (see the module docstring)."""
+
+    def __init__(self, out_dir: str | Path, *, seen_limit: int = 100_000) -> None:
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / DB_NAME
+        self.spool_dir = self.dir / SPOOL_DIR
+        self.spool_dir.mkdir(exist_ok=True)
+        self.seen_limit = seen_limit
+        # One server per directory: a second one would interleave its state with ours. The
+        # kernel drops the lock with the process, also on kill -9.
+        self._lock_file = open(self.dir / LOCK_NAME, "a")  # noqa: SIM115
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock_file.close()
+            raise ValueError(f"another murmura server is using {self.dir}; stop it first or "
+                             f"choose another --out") from None
+        self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")  # a commit is on disk when it returns
+        self._conn.executescript(_SCHEMA)
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        # The spool has its own writer thread, so payloads are copied out while the store
+        # thread waits on an fsync or a commit. Only the writer appends and rotates segments;
+        # _spool_lock guards what the store thread reads of them.
+        self._spool_jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._spool_thread: threading.Thread | None = None
+        self._spool_lock = threading.Lock()
+        self._segment = 0
+        self._segment_fd: int | None = None
+        self._segment_size = 0
+        self._written = 0            # payload bytes appended (writer thread)
+        self._synced = 0             # of which fsynced (store thread)
+        #: Group commits done, and operations they covered (the benchmark reports both).
+        self.commits = 0
+        self.committed_ops = 0
+
+    # -- start-up -----------------------------------------------------------------------------
+
+    def load(self) -> StoredState:
+        """Read everything back (before the store thread starts writing)."""
+        c = self._conn
+        meta = dict(c.execute("SELECT key, value FROM meta").fetchall())
+        state = StoredState(version=int(meta.get("version", 0)),
+                            checkpoint=meta.get("checkpoint", ""),
+                            counters=json.loads(meta.get("counters", "{}")))
+        state.sessions = [(s, cid, json.loads(p), t, bytes(k)) for s, cid, p, t, k in
+                          c.execute("SELECT session, client_id, profile, joined_at, public_key "
+                                    "FROM sessions")]
+        state.seen = [tuple(r) for r in c.execute(  # type: ignore[misc]
+            "SELECT client_id, update_id, staleness FROM seen ORDER BY n DESC LIMIT ?",
+            (self.seen_limit,))][::-1]
+        state.pending = [PendingUpdate(seq, cid, json.loads(h), st, SpoolRef(sg, off, n))
+                         for seq, cid, h, st, sg, off, n in c.execute(
+                             "SELECT seq, client_id, header, staleness, segment, offset, length "
+                             "FROM pending ORDER BY seq")]
+        state.rows = [json.loads(r) for (r,) in
+                      c.execute("SELECT row FROM versions ORDER BY version")]
+        segments = [int(p.stem) for p in self.spool_dir.glob("*.seg") if p.stem.isdigit()]
+        self._segment = max(segments, default=0) + 1  # never append to a segment of a past life
+        self._free_segments(keep=set())
+        return state
+
+    def read_payload(self, ref: SpoolRef) -> bytes:
+        """A spooled payload's bytes (start-up replay)."""
+        with open(self._segment_path(ref.segment), "rb") as f:
+            f.seek(ref.offset)
+            data = f.read(ref.length)
+        if len(data) != ref.length:
+            raise ValueError(f"spool segment {ref.segment} is shorter than its pending updates "
+                             f"say ({ref.offset}+{ref.length})")
+        return data
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def spool(self, data: memoryview | bytes) -> Future[SpoolRef]:
+        """Append a payload to the spool (written, not yet fsynced: the commit of the update
+        that refers to it syncs it first). ``data`` is not referenced once the future is done."""
+        job = _Job(None, None, Future(), data=memoryview(data).cast("B"))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the state store is closed")
+            if self._spool_thread is None:
+                self._spool_thread = threading.Thread(target=self._spool_loop,
+                                                      name="murmura-spool", daemon=True)
+                self._spool_thread.start()
+        self._spool_jobs.put(job)
+        return job.future
+
+    def submit(self, op: Op, *, counters: dict[str, Any] | None = None,
+               publishes: bool = False) -> Future[None]:
+        """Run ``op(connection)`` in the next group commit; the future is done once it is on
+        disk (or holds the error; then nothing of its group was committed)."""
+        return self._submit(_Job(op, counters, Future(), publishes=publishes))
+
+    def _submit(self, job: _Job) -> Future[Any]:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the state store is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="murmura-store",
+                                                daemon=True)
+                self._thread.start()
+        self._jobs.put(job)
+        return job.future
+
+    # -- operations (built on the caller's thread, run on the store thread) -------------------
+
+    @staticmethod
+    def op_session(session: str, client_id: str, profile: dict[str, Any], joined_at: float,
+                   *, public_key: bytes = b"", replaces: str | None = None) -> Op:
+        def run(c: sqlite3.Connection) -> None:
+            if replaces:
+                c.execute("DELETE FROM sessions WHERE session = ?", (replaces,))
+            c.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?)",
+                      (session, client_id, json.dumps(profile), joined_at, public_key))
+        return run
+
+    @staticmethod
+    def op_leave(session: str) -> Op:
+        return lambda c: c.execute("DELETE FROM sessions WHERE session = ?", (session,)) and None
+
+    def op_push(self, seq: int, client_id: str, update_id: str, header: dict[str, Any],
+                staleness: int, ref: SpoolRef) -> Op:
+        limit = self.seen_limit
+
+        def run(c: sqlite3.Connection) -> None:
+            c.execute("INSERT INTO seen (client_id, update_id, staleness) VALUES (?, ?, ?)",
+                      (client_id, update_id, staleness))
+            c.execute("INSERT INTO pending VALUES (?, ?, ?, ?, ?, ?, ?)",
+                      (seq, client_id, json.dumps(header), staleness, ref.segment, ref.offset,
+                       ref.length))
+            c.execute("DELETE FROM seen WHERE n <= (SELECT MAX(n) FROM seen) - ?", (limit,))
+        return run
+
+    @staticmethod
+    def op_drop(seq: int, client_id: str, update_id: str) -> Op:
+        """Undo :meth:`op_push` of an update the policy refused after all."""
+        def run(c: sqlite3.Connection) -> None:
+            c.execute("DELETE FROM pending WHERE seq = ?", (seq,))
+            c.execute("DELETE FROM seen WHERE client_id = ? AND update_id = ?",
+                      (client_id, update_id))
+        return run
+
+    @staticmethod
+    def op_consume(seqs: Iterable[int]) -> Op:
+        """Forget pending updates whose aggregate was dropped (no version was made)."""
+        rows = [(s,) for s in seqs]
+        return lambda c: c.executemany("DELETE FROM pending WHERE seq = ?", rows) and None
+
+    @staticmethod
+    def op_version(version: int, row: dict[str, Any], checkpoint: str,
+                   seqs: Iterable[int]) -> Op:
+        """Publish ``version``: its row, its checkpoint made current, its updates consumed."""
+        seqs = list(seqs)
+        text = json.dumps(row, sort_keys=True)
+
+        def run(c: sqlite3.Connection) -> None:
+            c.execute("INSERT INTO versions VALUES (?, ?, ?)", (version, text, checkpoint))
+            c.executemany("DELETE FROM pending WHERE seq = ?", [(s,) for s in seqs])
+            c.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                          [("version", str(version)), ("checkpoint", checkpoint)])
+        return run
+
+    # -- the store thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            first = self._jobs.get()
+            batch = [first]
+            while True:
+                try:
+                    batch.append(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in batch
+            commits = [job for job in batch if job is not None]
+            if commits:
+                self._commit(commits)
+            if stop:
+                return
+
+    def _spool_loop(self) -> None:
+        while True:
+            job = self._spool_jobs.get()
+            if job is None:
+                return
+            try:
+                job.future.set_result(self._append(job))
+            except BaseException as exc:  # noqa: BLE001 - handed to the push that waits
+                job.future.set_exception(exc)
+            finally:
+                job.data = None
+
+    def _append(self, job: _Job) -> SpoolRef:
+        """On the writer thread: append one payload to the open segment (rotating first if
+        it is full). The bytes are in the page cache, not yet on disk."""
+        assert job.data is not None
+        if self._segment_fd is None or self._segment_size >= SEGMENT_BYTES:
+            self._rotate()
+        assert self._segment_fd is not None
+        data, offset = job.data, self._segment_size
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._segment_fd, data[done:], offset + done)
+        with self._spool_lock:
+            self._segment_size += len(data)
+            self._written += len(data)
+        return SpoolRef(self._segment, offset, len(data))
+
+    def _rotate(self) -> None:
+        old = self._segment_fd
+        if old is not None:
+            os.fsync(old)  # what the old segment holds is durable before it is left
+        path = self._segment_path(self._segment + (old is not None))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        fsync_dir(self.spool_dir)  # the new file's name is durable before rows refer to it
+        with self._spool_lock:
+            if old is not None:
+                self._segment += 1
+            self._segment_fd, self._segment_size = fd, os.fstat(fd).st_size
+            self._synced = self._written if old is not None else self._synced
+        if old is not None:
+            os.close(old)
+
+    def _segment_path(self, segment: int) -> Path:
+        return self.spool_dir / f"{segment:08d}.seg"
+
+    def _sync_spool(self) -> None:
+        """On the store thread: fsync what was appended so far (a dup of the segment's fd, so
+        the writer may rotate meanwhile)."""
+        with self._spool_lock:
+            if self._segment_fd is None or self._written == self._synced:
+                return
+            mark, fd = self._written, os.dup(self._segment_fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with self._spool_lock:
+            self._synced = max(self._synced, mark)
+
+    def _commit(self, jobs: list[_Job]) -> None:
+        c = self._conn
+        try:
+            self._sync_spool()  # payloads before the rows that point at them
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                for job in jobs:
+                    assert job.op is not None
+                    job.op(c)
+                counters = next((j.counters for j in reversed(jobs) if j.counters is not None),
+                                None)
+                if counters is not None:
+                    c.execute("INSERT OR REPLACE INTO meta VALUES ('counters', ?)",
+                              (json.dumps(counters, sort_keys=True),))
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+        except BaseException as exc:  # noqa: BLE001 - every waiter learns it
+            log.error("state commit failed; %d operations were not made durable: %s",
+                      len(jobs), exc)
+            for job in jobs:
+                job.future.set_exception(exc)
+            return
+        self.commits += 1
+        self.committed_ops += len(jobs)
+        for job in jobs:
+            job.future.set_result(None)
+        if any(j.publishes for j in jobs):
+            try:
+                keep = {s for (s,) in c.execute("SELECT DISTINCT segment FROM pending")}
+                self._free_segments(keep)
+            except OSError as exc:
+                log.warning("could not remove consumed spool segments: %s", exc)
+
+    def _free_segments(self, keep: set[int]) -> None:
+        """Delete spool segments that no pending update refers to (never the open one, nor
+        one the writer may be opening)."""
+        if not keep:
+            keep = {s for (s,) in self._conn.execute("SELECT DISTINCT segment FROM pending")}
+        with self._spool_lock:
+            current = self._segment
+        for p in self.spool_dir.glob("*.seg"):
+            if p.stem.isdigit():
+                n = int(p.stem)
+                if n not in keep and n < current:
+                    p.unlink(missing_ok=True)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Finish the queued operations, then stop the thread and close the files."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop_threads(timeout)
+        self._conn.close()
+        self._lock_file.close()
+
+    def _stop_threads(self, timeout: float | None) -> None:
+        if self._spool_thread is not None:
+            self._spool_jobs.put(None)
+            self._spool_thread.join(timeout)
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout)
+        if self._segment_fd is not None:
+            os.close(self._segment_fd)
+            self._segment_fd = None
+
+    def abandon(self) -> None:
+        """Tests: stop as a killed process would, dropping what is queued and not committed."""
+        with self._lock:
+            self._closed = True
+        for jobs in (self._jobs, self._spool_jobs):
+            while True:
+                try:
+                    job = jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job.future.set_exception(RuntimeError("the store was abandoned"))
+        self._stop_threads(10)
+        self._conn.close()
+        self._lock_file.close()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a new or renamed file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["DB_NAME", "PendingUpdate", "SpoolRef", "StateStore", "StoredState", "fsync_dir"]
