@@ -401,13 +401,17 @@ class RobustDefault(SybilMean):
        floods of any size, colluding attacks that send one shared vector (ALIE, IPM, Min-Max,
        Min-Sum) and identities that build a distinct history and then switch to one shared
        vector. Updates with s_i <= 1/2 get no vote.
-    2. The coordinate-wise median (Yin et al., https://arxiv.org/abs/1803.01498) of the
+    2. Updates longer than ``norm_cap`` x the median norm of the rest get no vote either: the
+       median ignores magnitudes, but a minority of huge updates (boosted, or sign flipped and
+       scaled) all sit at one end of every coordinate's order and shift the median toward
+       them. An honest update is rarely several times the median length.
+    3. The coordinate-wise median (Yin et al., https://arxiv.org/abs/1803.01498) of the
        remaining updates, one vote each. A trigger backdoor lives in weights that honest
        updates barely move (the trigger's pixels are rarely lit in honest data), so any
        averaging rule lets a minority's backdoor accumulate round after round, whatever its
        norm or direction filter; on each such coordinate the honest majority's median is ~0.
        The median also ignores boosting and claimed example counts.
-    3. Buffers with more than ``max_rows`` voters take the median of a seeded random subset of
+    4. Buffers with more than ``max_rows`` voters take the median of a seeded random subset of
        ``max_rows`` of them: a 20% minority stays far below half of such a subset, and the cost
        stays O(max_rows x P) for the selection.
 
@@ -423,18 +427,25 @@ class RobustDefault(SybilMean):
 
     def __init__(self, size: int, *, dim: int = 512, max_clients: int = 10_000, seed: int = 0,
                  low: float = 0.95, high: float = 0.99, recent: int = 3,
-                 max_rows: int = 64) -> None:
+                 norm_cap: float | None = 4.0, max_rows: int = 64) -> None:
         super().__init__(size, dim=dim, max_clients=max_clients, seed=seed, low=low, high=high,
                          recent=recent, weight_cap=None)
         if int(max_rows) != max_rows or max_rows < 1:
             raise AggregationError(f"max_rows must be an integer >= 1, got {max_rows}")
+        if norm_cap is not None and not (math.isfinite(norm_cap) and norm_cap >= 1):
+            raise AggregationError(f"norm_cap must be None or a ratio >= 1, got {norm_cap}")
         self.max_rows = int(max_rows)
+        self.norm_cap = None if norm_cap is None else float(norm_cap)
         self.seed = seed
         self.last_voters: npt.NDArray[np.intp] = np.zeros(0, dtype=np.intp)
 
-    def voters(self, s: Floats) -> npt.NDArray[np.intp]:
-        """Rows that vote: non-clones, subsampled (seeded by the buffer count) to max_rows."""
+    def voters(self, s: Floats, norms: Floats) -> npt.NDArray[np.intp]:
+        """Rows that vote: non-clones of ordinary length, subsampled (seeded by the buffer
+        count) to max_rows."""
         rows = np.flatnonzero(s > 0.5)
+        if rows.size and self.norm_cap is not None:
+            bound = self.norm_cap * float(np.median(norms[rows]))
+            rows = rows[norms[rows] <= bound]
         if rows.size > self.max_rows:
             rng = np.random.default_rng([self.seed, self.scorer.clock])
             rows = np.sort(rng.choice(rows, size=self.max_rows, replace=False))
@@ -443,7 +454,7 @@ class RobustDefault(SybilMean):
     def _robust(self, x: Stack, weights: Floats, factors: Floats, norms: Floats,
                 ids: list[str]) -> FlatVector:
         s = self.sybil_weights(x, factors, ids)
-        rows = self.voters(s)
+        rows = self.voters(s, norms)
         self.last_voters = rows
         if rows.size == 0:
             return np.zeros(self.size, dtype=np.float32)

@@ -252,7 +252,7 @@ def test_bad_sybil_options_are_refused(options) -> None:
 @pytest.mark.parametrize(("name", "options"), [
     ("sybil-cclip", {"clip_multiplier": 0.0}), ("sybil-cclip", {"tau_scale": -1.0}),
     ("sybil-cclip", {"iterations": 0}), ("default", {"max_rows": 0}),
-    ("default", {"recent": -1}), ("sybil", {"recent": 1.5}),
+    ("default", {"recent": -1}), ("sybil", {"recent": 1.5}), ("default", {"norm_cap": 0.5}),
 ])
 def test_bad_default_options_are_refused(name, options) -> None:
     with pytest.raises(AggregationError):
@@ -383,3 +383,21 @@ def test_default_subsamples_large_buffers_reproducibly() -> None:
     assert len(voters[0]) == 7
     np.testing.assert_array_equal(voters[0], voters[1])
     np.testing.assert_allclose(results[0], np.median(x[voters[0]], axis=0), rtol=1e-6)
+
+
+def test_default_gives_no_vote_to_updates_far_longer_than_the_median() -> None:
+    # Two boosted sign flippers (-20x) next to six honest updates: every coordinate's order
+    # has them at one end, which would shift a plain median toward them.
+    rng = np.random.default_rng(15)
+    honest = (np.full(P, 1.0 / np.sqrt(P)) + rng.standard_normal((6, P)) / np.sqrt(P))
+    x = np.concatenate([honest, -20 * honest[:2]]).astype(np.float32)
+    agg = create_aggregator("default", P)
+    for i, u in enumerate(x):
+        agg.add(u, 1.0, client_id=f"c{i}")
+    out = agg.result()
+    np.testing.assert_array_equal(agg.last_voters, np.arange(6))
+    np.testing.assert_allclose(out, np.median(honest.astype(np.float32), axis=0), rtol=1e-6)
+    plain = create_aggregator("default", P, norm_cap=None)
+    for i, u in enumerate(x):
+        plain.add(u, 1.0, client_id=f"c{i}")
+    assert len(plain.result()) == P and len(plain.last_voters) == 8
