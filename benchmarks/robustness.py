@@ -95,9 +95,10 @@ ALPHA = 0.5
 SOURCE, TARGET = 1, 7
 DEFENCES = ["fedavg", "clip", "median", "trimmed-mean", "krum", "multi-krum", "centered-clip",
             "flame", "dnc", "sybil", "sybil-cclip", "default"]
-#: --quick runs these (one seed) so that the grid fits in about 20 minutes on 2 cores.
-QUICK_DEFENCES = ["fedavg", "median", "sybil-cclip", "default"]
-QUICK_ROUNDS, FULL_ROUNDS = 15, 20
+#: --quick runs these defences and the scenarios that have targets (one seed, fewer rounds), so
+#: that the grid fits in about 20 minutes on 2 busy cores.
+QUICK_DEFENCES = ["fedavg", "sybil-cclip", "default"]
+QUICK_ROUNDS, FULL_ROUNDS = 12, 20
 SETTINGS = TaskSettings(local_epochs=3, batch_size=16, lr=0.3, momentum=0.5)
 SIGN_SCALE, NOISE_MULT, BOOST, IPM_EPS, JITTER = 3.0, 5.0, 5.0, 5.0, 0.05
 BACKDOOR_FRACTION, PATCH = 0.5, 2  # share of an attacker's images stamped, trigger side (pixels)
@@ -141,6 +142,8 @@ SCENARIOS = [
     Scenario("min-max", 0.2),
     Scenario("min-sum", 0.2),
 ]
+QUICK_SCENARIOS = [s for s in SCENARIOS
+                   if s.attack not in ("label-flip", "sign-flip", "noise", "boost")]
 
 
 # -- one federated run ---------------------------------------------------------------------
@@ -403,9 +406,9 @@ def _pct(v: float) -> str:
 
 
 def plot(report: Report, results: list[dict[str, Any]], modes: list[str],
-         defences: list[str]) -> None:
+         defences: list[str], scenarios: list[Scenario]) -> None:
     plt = pyplot()
-    labels = [s.label for s in SCENARIOS]
+    labels = [s.label for s in scenarios]
     fig, axes = plt.subplots(2, len(modes), figsize=(9 * len(modes), 9), squeeze=False)
     for c, mode in enumerate(modes):
         for r, (key, title, cmap) in enumerate([("accuracy", "clean accuracy (%)", "viridis"),
@@ -442,19 +445,20 @@ def main(argv: list[str] | None = None) -> int:
     buffer = 10
     seeds = (0,) if args.quick else (0, 1)
     defences = QUICK_DEFENCES if args.quick else DEFENCES
+    scenarios = QUICK_SCENARIOS if args.quick else SCENARIOS
     agg_n = args.agg_updates or (200 if args.quick else 1000)
     agg_p = 1_000_000
     modes = ["sync", "async"]
     report = Report(NAME, quick=args.quick, params={
         "honest_clients": HONEST, "alpha": ALPHA, "rounds": rounds, "async_buffer": buffer,
         "seeds": list(seeds), "settings": repr(SETTINGS), "defences": defences,
-        "scenarios": [s.label for s in SCENARIOS], "source": SOURCE, "target": TARGET,
+        "scenarios": [s.label for s in scenarios], "source": SOURCE, "target": TARGET,
         "sign_scale": SIGN_SCALE, "noise_mult": NOISE_MULT, "boost": BOOST, "ipm_eps": IPM_EPS,
         "sybil_jitter": JITTER, "async_speed_spread": ASYNC_SPREAD,
         "backdoor_fraction": BACKDOOR_FRACTION, "trigger_patch": PATCH, "switch_at": SWITCH_AT,
         "aggregation_updates": agg_n, "aggregation_params": agg_p})
     cells = [(d, s, m, rounds, buffer, seed) for seed in seeds for m in modes
-             for s in SCENARIOS for d in defences]
+             for s in scenarios for d in defences]
     progress(f"{len(cells)} runs on {args.workers} workers, {rounds} rounds each")
     t0 = time.perf_counter()
     per_seed: list[dict[str, Any]] = []
@@ -468,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     grid_s = time.perf_counter() - t0
     results: list[dict[str, Any]] = []  # means over the seeds
     for m in modes:
-        for sc in SCENARIOS:
+        for sc in scenarios:
             for d in defences:
                 rs = [r for r in per_seed if r["mode"] == m and r["defence"] == d
                       and r["scenario"] == sc.label]
@@ -503,11 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         report.note(f"Quick mode: {rounds} rounds instead of {FULL_ROUNDS}, one seed instead of "
                     f"two, the defences {', '.join(defences)} instead of all "
-                    f"{len(DEFENCES)}, and a {agg_n}-update aggregation timing; attacks and "
-                    "targets are the same as in the full run. No-attack FedAvg reaches about "
-                    "94% here against about 95% at 20 rounds (near the plateau of this task).")
+                    f"{len(DEFENCES)}, the scenarios that have targets (not the label-flip, "
+                    f"sign-flip, noise and boost columns), and a {agg_n}-update aggregation "
+                    "timing; the targets are the same as in the full run. With this task's "
+                    "settings FedAvg reaches about 93.5% at 12 rounds and 95% at 20-30 (the "
+                    "plateau is about 95.5%), so quick-mode models are close to converged.")
 
-    labels = [s.label for s in SCENARIOS]
+    labels = [s.label for s in scenarios]
     for mode in modes:
         rows = []
         for d in defences:
@@ -616,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{sum(k * v for k, v in hist.items()) / n:.2f}, max {max(hist)} versions; "
             + ", ".join(f"{k}: {v}" for k, v in sorted(hist.items())) + ".",
             after_tables=True)
-    plot(report, results, modes, defences)
+    plot(report, results, modes, defences, scenarios)
     report.params["runs"] = per_seed
     return report.finish(save=not args.no_save)
 
