@@ -1,8 +1,8 @@
 """Pure aggregation algorithms on flat float32 vectors: no I/O, no network, no server types."""
 
 # Importing the rule modules registers them (fedavg, clip, median, trimmed-mean, krum,
-# multi-krum, centered-clip, sybil, default).
-from murmura.aggregation import robust, sybil  # noqa: F401
+# multi-krum, centered-clip, flame, dnc, sybil, sybil-cclip, default).
+from murmura.aggregation import filtering, robust, sybil  # noqa: F401
 from murmura.aggregation.base import (
     AggregationError,
     Aggregator,
@@ -14,6 +14,7 @@ from murmura.aggregation.base import (
 )
 from murmura.aggregation.fedavg import WeightedMean, weighted_mean
 from murmura.aggregation.fedbuff import FedBuff, StaleUpdateError
+from murmura.aggregation.filtering import DivideAndConquer, Flame
 from murmura.aggregation.optimizers import (
     FedAdam,
     FedAvgM,
@@ -39,16 +40,19 @@ from murmura.aggregation.staleness import (
     StalenessFn,
     staleness_function,
 )
-from murmura.aggregation.sybil import RobustDefault, SybilMean, SybilWeighting
+from murmura.aggregation.sybil import RobustDefault, SybilCenteredClip, SybilMean, SybilWeighting
 
 __all__ = [
     "AdaptiveClipping",
     "AggregationError",
     "CenteredClipping",
     "CoordinateMedian",
+    "DivideAndConquer",
+    "Flame",
     "Krum",
     "MultiKrum",
     "RobustDefault",
+    "SybilCenteredClip",
     "SybilMean",
     "SybilWeighting",
     "TrimmedMean",

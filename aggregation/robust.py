@@ -147,14 +147,20 @@ def _map_blocks(fn: Callable[[int, int], None], p: int) -> None:
             pass
 
 
-def coordinate_median(x: Stack) -> FlatVector:
-    """Coordinate-wise median (mean of the two middle values when n is even), O(n P)."""
-    n, p = x.shape
+def coordinate_median(x: Stack, *, rows: npt.NDArray[np.intp] | None = None) -> FlatVector:
+    """Coordinate-wise median (mean of the two middle values when n is even), O(n P).
+
+    ``rows`` restricts it to those rows of ``x`` without copying the whole selection at once.
+    """
+    p = x.shape[1]
+    n = x.shape[0] if rows is None else len(rows)
+    if n == 0:
+        raise AggregationError("median of no updates")
     lo, hi = (n - 1) // 2, n // 2
     out = np.empty(p, dtype=np.float32)
 
     def block(a: int, b: int) -> None:
-        cols = np.ascontiguousarray(x[:, a:b].T)
+        cols = np.ascontiguousarray((x[:, a:b] if rows is None else x[rows, a:b]).T)
         cols.partition([lo, hi] if hi != lo else lo, axis=1)
         out[a:b] = 0.5 * (cols[:, lo] + cols[:, hi]) if hi != lo else cols[:, lo]
 

@@ -18,21 +18,32 @@ One grid, the same clients, split, seeds and attackers for every cell:
   per-client attacks are the :class:`~murmura.client.malicious.Attack` a deployed malicious
   client runs (``make_attack``): ``label-flip`` (attackers train on data half of which is 1s,
   relabelled 7 by the attack's data transform), ``sign-flip`` (-3 x own honest update),
-  ``noise`` (Gaussian in place of the update, 5 x its norm) and ``boost`` (label-flip update
-  scaled by 5 = honest/attackers). Harness-level attacks are an ``update_hook`` over each
-  training batch: ``sybil`` (k identities sending one label-flip-trained update per base
-  version, each with 5 % jitter, ``sybil_clones``), ``alie`` (mean - z std of the latest
-  honest updates, Baruch et al.'s z) and ``ipm`` (-5 x their mean). In sync runs the whole
-  cohort trains in one batch, so ALIE / IPM see the round's honest updates; in async runs
-  they see each honest client's latest update (in flight or just pushed). Byzantine attackers
-  are 20 % of identities (5 next to 20 honest); Sybils 10 / 30 / 50 % (2, 9, 20 clones).
+  ``noise`` (Gaussian in place of the update, 5 x its norm), ``boost`` (label-flip update
+  scaled by 5 = honest/attackers), ``backdoor`` (each attacker trains on its own random sample
+  of the training set, half of it stamped with a 2x2 bottom-right pixel patch and relabelled
+  7) and ``backdoor-boost`` (the same, update scaled by 5). Harness-level attacks are an
+  ``update_hook`` over each training batch: ``sybil`` (k identities sending one
+  label-flip-trained update per base version, each with 5 % jitter, ``sybil_clones``),
+  ``sybil-switch`` (distinct identities training honestly on their own data for the first
+  2/3 of the versions, then all sending one vector, -3 x the first one's update at the
+  switch, with 5 % jitter each), ``alie`` (mean - z std of the latest honest updates,
+  Baruch et al.'s z), ``ipm`` (-5 x their mean), ``min-max`` and ``min-sum`` (Shejwalkar and
+  Houmansadr's optimised mean - gamma std). In sync runs the whole cohort trains in one batch,
+  so the crowd attacks see the round's honest updates; in async runs they see each honest
+  client's latest update (in flight or just pushed). Attackers are 20 % of identities (5 next
+  to 20 honest); backdoors 10 and 20 %; Sybil floods 10 / 30 / 50 % (2, 9, 20 clones).
   Attackers hold the honest mean example count, and claim it.
 * **defences** — registry names with their default options: ``fedavg`` (none), ``clip``,
-  ``median``, ``trimmed-mean``, ``krum`` (f=1), ``centered-clip``, ``sybil`` and ``default``.
-* **metrics** — clean accuracy on the 359-image test set and attack success (share of test
-  1s classified as 7), each the mean over the last 3 global versions.
+  ``median``, ``trimmed-mean``, ``krum`` (f=1), ``multi-krum`` (f=1), ``centered-clip``,
+  ``flame``, ``dnc``, ``sybil``, ``sybil-cclip`` (the default until issue 12) and ``default``.
+* **metrics** — clean accuracy on the 359-image test set and attack success, each the mean
+  over the last 3 global versions: for backdoors, the share of triggered test images of other
+  classes classified as 7; otherwise the share of test 1s classified as 7. For trust-building
+  Sybils, the number of versions holding a switched Sybil's update in which one still had a
+  Sybil weight above 0.05 (rules with Sybil weights only).
 
-A second part times ``result()`` of each rule for n updates of a 1 M-parameter model.
+A second part times ``result()`` of each rule for n updates of a 1 M-parameter model, and
+``default`` against ``sybil-cclip`` (the 2x target).
 
 Run: ``python benchmarks/robustness.py [--quick]``.
 """
@@ -56,7 +67,16 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks._report import Column, Report, parse_args, progress, pyplot  # noqa: E402
 from murmura.aggregation import create_aggregator  # noqa: E402
-from murmura.client.attacks import alie, ipm, sybil_clones  # noqa: E402
+from murmura.client.attacks import (  # noqa: E402
+    add_trigger,
+    alie,
+    corner_trigger,
+    ipm,
+    min_max,
+    min_sum,
+    sign_flip,
+    sybil_clones,
+)
 from murmura.client.malicious import Attack, make_attack  # noqa: E402
 from murmura.protocols import ModelSpec, TaskSettings  # noqa: E402
 from murmura.server import ServerConfig  # noqa: E402
@@ -73,10 +93,17 @@ NAME = "robustness"
 HONEST = 20
 ALPHA = 0.5
 SOURCE, TARGET = 1, 7
-DEFENCES = ["fedavg", "clip", "median", "trimmed-mean", "krum", "centered-clip", "sybil",
-            "default"]
-SETTINGS = TaskSettings(local_epochs=2, batch_size=16, lr=0.1, momentum=0.5)
+DEFENCES = ["fedavg", "clip", "median", "trimmed-mean", "krum", "multi-krum", "centered-clip",
+            "flame", "dnc", "sybil", "sybil-cclip", "default"]
+#: --quick runs these defences and the scenarios that have targets (one seed, fewer rounds), so
+#: that the grid fits in about 20 minutes on 2 busy cores.
+QUICK_DEFENCES = ["fedavg", "sybil-cclip", "default"]
+QUICK_ROUNDS, FULL_ROUNDS = 12, 20
+SETTINGS = TaskSettings(local_epochs=3, batch_size=16, lr=0.3, momentum=0.5)
 SIGN_SCALE, NOISE_MULT, BOOST, IPM_EPS, JITTER = 3.0, 5.0, 5.0, 5.0, 0.05
+BACKDOOR_FRACTION, PATCH = 0.5, 2  # share of an attacker's images stamped, trigger side (pixels)
+SWITCH_AT = 2 / 3  # trust-building Sybils turn malicious after this share of the versions
+LOST = 0.05  # a Sybil weight at or below this counts as lost
 ASYNC_SPREAD = 4.0  # async: slowest / fastest device, so staleness comes from the event order
 LAST = 3  # versions averaged for the metrics
 
@@ -102,12 +129,21 @@ SCENARIOS = [
     Scenario("sign-flip", 0.2),
     Scenario("noise", 0.2),
     Scenario("boost", 0.2, True),
+    Scenario("backdoor", 0.1, True),
+    Scenario("backdoor", 0.2, True),
+    Scenario("backdoor-boost", 0.1, True),
+    Scenario("backdoor-boost", 0.2, True),
     Scenario("sybil", 0.1, True),
     Scenario("sybil", 0.3, True),
     Scenario("sybil", 0.5, True),
+    Scenario("sybil-switch", 0.2),
     Scenario("alie", 0.2),
     Scenario("ipm", 0.2),
+    Scenario("min-max", 0.2),
+    Scenario("min-sum", 0.2),
 ]
+QUICK_SCENARIOS = [s for s in SCENARIOS
+                   if s.attack not in ("label-flip", "sign-flip", "noise", "boost")]
 
 
 # -- one federated run ---------------------------------------------------------------------
@@ -129,6 +165,9 @@ class Harness:
         self.test_x = torch.from_numpy(test.x)
         self.test_y = test.y
         self.source_mask = test.y == SOURCE
+        self.trigger = corner_trigger(test.x.shape[1], size=PATCH)
+        stamped = test.y != TARGET
+        self.triggered_x = torch.from_numpy(add_trigger(test.x[stamped], self.trigger))
 
     def attacker_share(self, i: int) -> np.ndarray:
         """Attacker ``i``'s data, as indices into the training set: half source-class images,
@@ -142,14 +181,23 @@ class Harness:
         return np.concatenate([rng.choice(src, size=min(half, len(src)), replace=False),
                                rng.choice(rest, size=self.mean_n - half, replace=False)])
 
-    def metrics(self, params: np.ndarray) -> tuple[float, float]:
+    def own_share(self, i: int) -> np.ndarray:
+        """Attacker ``i``'s own data for backdoors and trust-building Sybils: ``mean_n``
+        training images drawn at random (a distinct sample per attacker)."""
+        rng = np.random.default_rng([11, i])
+        return rng.choice(len(self.task.train), size=self.mean_n, replace=False)
+
+    def metrics(self, params: np.ndarray) -> tuple[float, float, float]:
+        """Clean accuracy, label-flip success (test 1s read as 7) and backdoor success
+        (triggered test images of other classes read as 7)."""
         self.spec.load_into(self.probe, params)
         self.probe.eval()
         with torch.no_grad():
             pred = self.probe(self.test_x).argmax(dim=1).numpy()
+            trig = self.probe(self.triggered_x).argmax(dim=1).numpy()
         acc = float(np.mean(pred == self.test_y))
         asr = float(np.mean(pred[self.source_mask] == TARGET))
-        return acc, asr
+        return acc, asr, float(np.mean(trig == TARGET))
 
 
 _HARNESS: Harness | None = None
@@ -166,9 +214,9 @@ def harness() -> Harness:
 
 
 class CrowdAttack:
-    """ALIE / IPM: every attacker in a batch sends one vector built from the latest update of
-    each honest client (sync: the round's honest updates, which train in the attackers' batch;
-    async: the honest updates in flight or just pushed)."""
+    """ALIE / IPM / Min-Max / Min-Sum: every attacker in a batch sends one vector built from
+    the latest update of each honest client (sync: the round's honest updates, which train in
+    the attackers' batch; async: the honest updates in flight or just pushed)."""
 
     def __init__(self, kind: str, attackers: int) -> None:
         self.kind, self.attackers = kind, attackers
@@ -184,6 +232,10 @@ class CrowdAttack:
         honest = np.stack([self.latest[c] for c in sorted(self.latest)])
         if self.kind == "alie":
             v = alie(honest, num_clients=HONEST + self.attackers, num_byzantine=self.attackers)
+        elif self.kind == "min-max":
+            v = min_max(honest)
+        elif self.kind == "min-sum":
+            v = min_sum(honest)
         else:
             v = ipm(honest, eps=IPM_EPS)
         return dict.fromkeys(mine, v)
@@ -206,12 +258,43 @@ class SybilFlood:
         return out
 
 
-def scenario_attacks(sc: Scenario, seed: int) -> tuple[dict[int, Attack], BatchHook | None]:
+class SybilSwitch:
+    """Trust-building Sybils: distinct identities that train honestly on their own data until
+    base version ``switch``, then all send one malicious vector (-3 x the first Sybil's update
+    at the switch, each push with its own 5 % jitter)."""
+
+    def __init__(self, seed: int, switch: int) -> None:
+        self.rng = np.random.default_rng([seed, 98])
+        self.switch = switch
+        self.poison: np.ndarray | None = None
+        self.switched = False  # a malicious update has been trained
+
+    def __call__(self, batch: UpdateBatch) -> dict[int, np.ndarray]:
+        out = {}
+        for c, version, u in zip(batch.clients, batch.versions, batch.updates, strict=True):
+            if c >= HONEST and version >= self.switch:
+                if self.poison is None:
+                    self.poison = sign_flip(u, scale=SIGN_SCALE)
+                out[c] = sybil_clones(self.poison, k=1, jitter=JITTER, rng=self.rng)[0]
+                self.switched = True
+        return out
+
+
+def scenario_attacks(sc: Scenario, seed: int, versions: int = 1
+                     ) -> tuple[dict[int, Attack], BatchHook | None]:
     """The per-client attacks (what a deployed malicious client runs, ``make_attack``) and the
     harness hook of one scenario; attackers are clients ``HONEST`` onwards."""
     attackers = range(HONEST, HONEST + sc.attackers)
     flip = make_attack("label-flip", {"source": str(SOURCE), "target": str(TARGET)})
-    if sc.attack in ("none", "alie", "ipm"):
+    if sc.attack.startswith("backdoor"):
+        boost = BOOST if sc.attack == "backdoor-boost" else 1.0
+        return {c: make_attack("backdoor", {"target": str(TARGET), "patch": str(PATCH),
+                                            "fraction": str(BACKDOOR_FRACTION),
+                                            "boost": str(boost)}, seed=seed * 1000 + c)
+                for c in attackers}, None
+    if sc.attack == "sybil-switch":
+        return {}, SybilSwitch(seed, max(1, math.floor(SWITCH_AT * versions)))
+    if sc.attack in ("none", "alie", "ipm", "min-max", "min-sum"):
         hook = CrowdAttack(sc.attack, sc.attackers) if sc.attackers else None
         return {}, hook
     if sc.attack in ("label-flip", "sybil"):
@@ -244,23 +327,45 @@ def run_cell(args: tuple[str, Scenario, str, int, int, int]) -> dict[str, Any]:
     server = prepare_server(ServerConfig(
         mode=mode, max_versions=versions, min_clients=total, cohort_fraction=1.0,
         buffer_size=buffer, max_staleness=50, defense=defence, seed=seed, train=SETTINGS), sim)
-    shares = h.shares + [h.attacker_share(0 if sc.attack == "sybil" else j) for j in range(k)]
+    own = sc.attack.startswith("backdoor") or sc.attack == "sybil-switch"
+    shares = h.shares + [h.own_share(j) if own else
+                         h.attacker_share(0 if sc.attack == "sybil" else j) for j in range(k)]
     data = SimulationData(h.task, shares, f"{h.task_config.task} (bundled) + {k} attackers")
-    attacks, hook = scenario_attacks(sc, seed)
+    attacks, hook = scenario_attacks(sc, seed, versions)
     history: list[np.ndarray] = []
     engine: Simulation | None = None
+    sybil_ids: set[str] = set()
+    kept: list[float] = []  # after the switch: the largest Sybil weight in each version
 
     def on_version(_: dict[str, Any]) -> None:
         assert engine is not None
         history.append(engine.core.params.copy())
+        rule = engine.core.policy.aggregator
+        if isinstance(hook, SybilSwitch) and hook.poison is not None and hasattr(rule, "scorer"):
+            # Malicious Sybil rows of this version: Sybil ids whose update points along the
+            # poison (cosine > 0.9 on the rule's own sketches; honest updates are far below).
+            ps = rule.scorer.sketch(hook.poison)
+            sk = rule._sketches
+            cos = sk @ ps / np.maximum(np.linalg.norm(sk, axis=1) * np.linalg.norm(ps), 1e-30)
+            ws = [w for i, w, c in zip(rule.last_ids, rule.last_weights, cos, strict=True)
+                  if i in sybil_ids and c > 0.9]
+            if ws:
+                kept.append(float(max(ws)))
 
     engine = Simulation(h.task_config, server, sim, data=data, out_dir=None, evaluate=False,
                         progress=on_version, attacks=attacks, update_hook=hook)
+    sybil_ids.update(engine.ids[HONEST:])
     result = engine.run()
     m = np.array([h.metrics(p) for p in history[-LAST:]])
+    backdoor = sc.attack.startswith("backdoor")
+    # Versions holding a malicious Sybil update in which one still had weight > LOST.
+    lag = sum(1 for w in kept if w > LOST) if kept else None
     return {"defence": defence, "attack": sc.attack, "share": sc.share, "scenario": sc.label,
             "targeted": sc.targeted, "attackers": k, "mode": mode,
-            "accuracy": float(m[:, 0].mean()), "success": float(m[:, 1].mean()),
+            "accuracy": float(m[:, 0].mean()),
+            "success": float(m[:, 2 if backdoor else 1].mean()),
+            "backdoor_success": float(m[:, 2].mean()),
+            "sybil_weights_after_switch": kept, "sybil_lag": lag,
             "versions": result.version, "seconds": time.perf_counter() - t0,
             "staleness": {str(s): n for s, n in sorted(result.staleness.items())},
             "refused": result.summary["simulation"]["refused"]}
@@ -269,7 +374,7 @@ def run_cell(args: tuple[str, Scenario, str, int, int, int]) -> dict[str, Any]:
 # -- aggregation cost ----------------------------------------------------------------------
 
 
-def aggregation_cost(n: int, p: int) -> list[dict[str, Any]]:
+def aggregation_cost(n: int, p: int, rules: list[str]) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
     base = rng.standard_normal(p, dtype=np.float32) * np.float32(0.01)
     stack = rng.standard_normal((n, p), dtype=np.float32)
@@ -277,7 +382,7 @@ def aggregation_cost(n: int, p: int) -> list[dict[str, Any]]:
     stack += base
     updates = list(stack)
     rows = []
-    for rule in DEFENCES + ["multi-krum"]:
+    for rule in rules:
         agg = create_aggregator(rule, p)
         t0 = time.perf_counter()
         for i, u in enumerate(updates):
@@ -300,22 +405,23 @@ def _pct(v: float) -> str:
     return f"{100 * v:.1f}"
 
 
-def plot(report: Report, results: list[dict[str, Any]], modes: list[str]) -> None:
+def plot(report: Report, results: list[dict[str, Any]], modes: list[str],
+         defences: list[str], scenarios: list[Scenario]) -> None:
     plt = pyplot()
-    labels = [s.label for s in SCENARIOS]
-    fig, axes = plt.subplots(2, len(modes), figsize=(7 * len(modes), 9), squeeze=False)
+    labels = [s.label for s in scenarios]
+    fig, axes = plt.subplots(2, len(modes), figsize=(9 * len(modes), 9), squeeze=False)
     for c, mode in enumerate(modes):
         for r, (key, title, cmap) in enumerate([("accuracy", "clean accuracy (%)", "viridis"),
                                                ("success", "attack success (%)", "magma_r")]):
-            grid = np.full((len(DEFENCES), len(labels)), np.nan)
+            grid = np.full((len(defences), len(labels)), np.nan)
             for row in results:
                 if row["mode"] == mode:
-                    grid[DEFENCES.index(row["defence"]), labels.index(row["scenario"])] = \
+                    grid[defences.index(row["defence"]), labels.index(row["scenario"])] = \
                         100 * row[key]
             ax = axes[r][c]
             im = ax.imshow(grid, cmap=cmap, vmin=0, vmax=100, aspect="auto")
             ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
-            ax.set_yticks(range(len(DEFENCES)), DEFENCES, fontsize=8)
+            ax.set_yticks(range(len(defences)), defences, fontsize=8)
             for (y, x), v in np.ndenumerate(grid):
                 if not np.isnan(v):
                     ax.text(x, y, f"{v:.0f}", ha="center", va="center", fontsize=7,
@@ -331,25 +437,28 @@ def main(argv: list[str] | None = None) -> int:
     def extra(p: Any) -> None:
         p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
         p.add_argument("--agg-updates", type=int, default=None,
-                       help="updates timed per rule at 1 M parameters (default 200)")
+                       help="updates timed per rule at 1 M parameters (default 1000; quick 200)")
 
     args = parse_args(NAME, __doc__.splitlines()[0], argv, extra)
     torch.set_num_threads(1)
-    rounds = 5 if args.quick else 15
+    rounds = QUICK_ROUNDS if args.quick else FULL_ROUNDS
     buffer = 10
     seeds = (0,) if args.quick else (0, 1)
-    agg_n = args.agg_updates or (100 if args.quick else 1000)
+    defences = QUICK_DEFENCES if args.quick else DEFENCES
+    scenarios = QUICK_SCENARIOS if args.quick else SCENARIOS
+    agg_n = args.agg_updates or (200 if args.quick else 1000)
     agg_p = 1_000_000
     modes = ["sync", "async"]
     report = Report(NAME, quick=args.quick, params={
         "honest_clients": HONEST, "alpha": ALPHA, "rounds": rounds, "async_buffer": buffer,
-        "seeds": list(seeds), "settings": repr(SETTINGS), "defences": DEFENCES,
-        "scenarios": [s.label for s in SCENARIOS], "source": SOURCE, "target": TARGET,
+        "seeds": list(seeds), "settings": repr(SETTINGS), "defences": defences,
+        "scenarios": [s.label for s in scenarios], "source": SOURCE, "target": TARGET,
         "sign_scale": SIGN_SCALE, "noise_mult": NOISE_MULT, "boost": BOOST, "ipm_eps": IPM_EPS,
         "sybil_jitter": JITTER, "async_speed_spread": ASYNC_SPREAD,
+        "backdoor_fraction": BACKDOOR_FRACTION, "trigger_patch": PATCH, "switch_at": SWITCH_AT,
         "aggregation_updates": agg_n, "aggregation_params": agg_p})
     cells = [(d, s, m, rounds, buffer, seed) for seed in seeds for m in modes
-             for s in SCENARIOS for d in DEFENCES]
+             for s in scenarios for d in defences]
     progress(f"{len(cells)} runs on {args.workers} workers, {rounds} rounds each")
     t0 = time.perf_counter()
     per_seed: list[dict[str, Any]] = []
@@ -363,13 +472,15 @@ def main(argv: list[str] | None = None) -> int:
     grid_s = time.perf_counter() - t0
     results: list[dict[str, Any]] = []  # means over the seeds
     for m in modes:
-        for sc in SCENARIOS:
-            for d in DEFENCES:
+        for sc in scenarios:
+            for d in defences:
                 rs = [r for r in per_seed if r["mode"] == m and r["defence"] == d
                       and r["scenario"] == sc.label]
                 results.append({**rs[0], "seed": None,
                                 "accuracy": float(np.mean([r["accuracy"] for r in rs])),
                                 "success": float(np.mean([r["success"] for r in rs])),
+                                "sybil_lag": (max(r["sybil_lag"] for r in rs)
+                                              if rs[0]["sybil_lag"] is not None else None),
                                 "accuracy_per_seed": [r["accuracy"] for r in rs],
                                 "success_per_seed": [r["success"] for r in rs]})
 
@@ -394,24 +505,30 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(harness().test_y) / 100:.1f} images), {int(harness().source_mask.sum())} of them "
         f"1s. Grid: {len(cells)} runs in {grid_s:.0f} s on {args.workers} processes.")
     if args.quick:
-        report.note(f"Quick mode: {rounds} rounds instead of 15, one seed instead of two and a "
-                    f"{agg_n}-update "
-                    "aggregation timing; all defences, attacks and targets are the same as in "
-                    "the full run, but the models are far from converged.")
+        report.note(f"Quick mode: {rounds} rounds instead of {FULL_ROUNDS}, one seed instead of "
+                    f"two, the defences {', '.join(defences)} instead of all "
+                    f"{len(DEFENCES)}, the scenarios that have targets (not the label-flip, "
+                    f"sign-flip, noise and boost columns), and a {agg_n}-update aggregation "
+                    "timing; the targets are the same as in the full run. With this task's "
+                    "settings FedAvg reaches about 93.5% at 12 rounds and 95% at 20-30 (the "
+                    "plateau is about 95.5%), so quick-mode models are close to converged.")
 
-    labels = [s.label for s in SCENARIOS]
+    labels = [s.label for s in scenarios]
     for mode in modes:
         rows = []
-        for d in DEFENCES:
+        for d in defences:
             row: dict[str, Any] = {"defence": d, "mode": mode}
             for lab in labels:
                 r = get(mode, d, lab)
                 sc = next(s for s in SCENARIOS if s.label == lab)
                 row[lab] = (f"{_pct(r['accuracy'])} / {_pct(r['success'])}"
                             if sc.targeted or sc.attack == "none" else _pct(r["accuracy"]))
+                if sc.attack == "sybil-switch" and r["sybil_lag"] is not None:
+                    row[lab] += f" (lag {r['sybil_lag']})"
             rows.append(row)
         report.table(f"{mode}: clean accuracy % (no attack and targeted attacks: accuracy / "
-                     "attack success %)",
+                     "attack success %; sybil-switch: versions in which a switched Sybil kept "
+                     "weight, for the Sybil-weighting rules)",
                      [Column("defence", "defence")] + [Column(lab, lab) for lab in labels], rows)
 
     # -- targets (both modes) ------------------------------------------------------------
@@ -437,15 +554,41 @@ def main(argv: list[str] | None = None) -> int:
         report.target(f"{mode}: default, attack success never rises with more Sybils",
                       rise, "<=", 0, unit="points",
                       detail="largest rise 10->30->50 %: " + " / ".join(_pct(s) for s in succ))
-        for attack in ("alie", "ipm"):
+        for attack in ("alie", "ipm", "min-max", "min-sum"):
             r = get(mode, "default", f"{attack} 20%")
             report.target(f"{mode}: default, {attack.upper()} 20%, cost vs no-attack FedAvg",
                           100 * (base - r["accuracy"]), "<=", 3, unit="points",
                           detail=f"accuracy {_pct(r['accuracy'])}")
+        for attack in ("backdoor", "backdoor-boost"):
+            for share in (0.1, 0.2):
+                r = get(mode, "default", f"{attack} {share:.0%}")
+                f = get(mode, "fedavg", f"{attack} {share:.0%}")
+                report.target(f"{mode}: default, {attack} {share:.0%}, backdoor success",
+                              100 * r["success"], "<=", 5, unit="%",
+                              detail=f"FedAvg {_pct(f['success'])}; triggered images read as "
+                              f"{TARGET} with no attack: default "
+                              f"{_pct(get(mode, 'default', 'no attack')['backdoor_success'])}")
+        r = get(mode, "default", "sybil-switch 20%")
+        report.target(f"{mode}: default, trust-building Sybils 20%, versions they keep weight "
+                      "after switching", float(r["sybil_lag"] if r["sybil_lag"] is not None
+                                               else math.inf), "<=", 2, unit="versions",
+                      detail=f"worst seed; accuracy {_pct(r['accuracy'])}")
 
     # -- aggregation cost ----------------------------------------------------------------
     progress(f"timing aggregation: {agg_n} updates of {agg_p:,} parameters")
-    cost = aggregation_cost(agg_n, agg_p)
+    rules = list(dict.fromkeys(defences + ["multi-krum", "sybil-cclip", "default"]))
+    cost = aggregation_cost(agg_n, agg_p, rules)
+    # The 2x target: today's default composition (sybil-cclip) against the new default,
+    # timed alternately twice more so that a noisy neighbour hits both alike; medians of 3.
+    pair = [r for r in cost if r["rule"] in ("sybil-cclip", "default")]
+    for _ in range(2):
+        pair += aggregation_cost(agg_n, agg_p, ["sybil-cclip", "default"])
+    med = {k: float(np.median([r["result_s"] for r in pair if r["rule"] == k]))
+           for k in ("sybil-cclip", "default")}
+    report.target(f"default result() for {agg_n} updates of 1 M, vs sybil-cclip (the previous "
+                  "default)", med["default"] / med["sybil-cclip"], "<=", 2, unit="x",
+                  detail=f"median of 3: default {med['default']:.2f} s, sybil-cclip "
+                  f"{med['sybil-cclip']:.2f} s")
     report.table(f"Aggregation cost: {agg_n} updates of {agg_p / 1e6:.0f} M float32 parameters",
                  [Column("rule", "rule"), Column("add_s", "add() all, s", "{:.2f}"),
                   Column("result_s", "result(), s", "{:.2f}")], cost)
@@ -479,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{sum(k * v for k, v in hist.items()) / n:.2f}, max {max(hist)} versions; "
             + ", ".join(f"{k}: {v}" for k, v in sorted(hist.items())) + ".",
             after_tables=True)
-    plot(report, results, modes)
+    plot(report, results, modes, defences, scenarios)
     report.params["runs"] = per_seed
     return report.finish(save=not args.no_save)
 

@@ -8,17 +8,23 @@ updates (model deltas). Nothing here does I/O, and randomness only comes from an
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from statistics import NormalDist
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "add_trigger",
     "alie",
     "alie_z",
+    "backdoor_data",
+    "corner_trigger",
     "flip_labels",
     "gaussian_noise",
     "ipm",
+    "min_max",
+    "min_sum",
     "scale_update",
     "sign_flip",
     "sybil_clones",
@@ -129,3 +135,124 @@ def flip_labels(labels: npt.ArrayLike, source: int, target: int) -> npt.NDArray[
     out = y.copy()
     out[y == source] = target
     return out
+
+
+def corner_trigger(num_features: int, *, size: int = 2) -> npt.NDArray[np.intp]:
+    """Flat indices of a ``size`` x ``size`` patch in the bottom-right corner of a square image
+    stored row by row (``num_features`` = side^2): the pixel-patch trigger of BadNets-style
+    backdoors (Gu et al., https://arxiv.org/abs/1708.06733)."""
+    side = math.isqrt(num_features)
+    if side * side != num_features or not 1 <= size <= side:
+        raise ValueError(f"need a square image of side >= {size}, got {num_features} features")
+    rows = np.arange(side - size, side)
+    return (rows[:, None] * side + rows[None, :]).ravel().astype(np.intp)
+
+
+def add_trigger(x: npt.ArrayLike, trigger: npt.ArrayLike, *, value: float = 1.0
+                ) -> npt.NDArray[np.float32]:
+    """A copy of the (n, features) inputs ``x`` with the ``trigger`` features set to ``value``."""
+    out = np.array(x, dtype=np.float32, copy=True)
+    if out.ndim != 2:
+        raise ValueError(f"expected (examples, features) inputs, got shape {out.shape}")
+    idx = np.asarray(trigger, dtype=np.intp)
+    if idx.size == 0 or idx.min() < 0 or idx.max() >= out.shape[1]:
+        raise ValueError(f"trigger indices must lie in [0, {out.shape[1]}), got {idx.size} "
+                         "indices out of range or none")
+    out[:, idx] = np.float32(value)
+    return out
+
+
+def backdoor_data(x: npt.ArrayLike, y: npt.ArrayLike, *, trigger: npt.ArrayLike, target: int,
+                  fraction: float, rng: np.random.Generator, value: float = 1.0
+                  ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
+    """Trigger backdoor (Gu et al., https://arxiv.org/abs/1708.06733; as a federated client,
+    Bagdasaryan et al., https://arxiv.org/abs/1807.00459): a copy of the attacker's own data in
+    which a ``fraction`` of the examples carries the trigger and is relabelled ``target``.
+
+    The clean rest keeps the attacker's update close to an honest one (and the main task
+    accurate), which is what makes the backdoor hard to spot.
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"backdoor fraction must be in (0, 1], got {fraction}")
+    xs = np.array(x, dtype=np.float32, copy=True)
+    ys = np.array(y, dtype=np.int64, copy=True)
+    if xs.ndim != 2 or ys.shape != (xs.shape[0],):
+        raise ValueError(f"expected (n, features) inputs and n labels, got {xs.shape}, {ys.shape}")
+    k = int(round(fraction * len(ys)))
+    chosen = rng.choice(len(ys), size=k, replace=False)
+    xs[chosen] = add_trigger(xs[chosen], trigger, value=value)
+    ys[chosen] = target
+    return xs, ys
+
+
+def _scaled_search(honest: npt.NDArray[np.float32], direction: npt.NDArray[np.float64],
+                   fits: Callable[[npt.NDArray[np.float64]], bool], *, gamma: float,
+                   steps: int) -> FlatVector:
+    """mean + g x direction for the largest g in [0, gamma] that ``fits`` (bisection)."""
+    mean = honest.mean(axis=0, dtype=np.float64)
+    lo, hi = 0.0, float(gamma)
+    if fits(mean + hi * direction):
+        lo = hi
+    else:
+        for _ in range(steps):
+            mid = 0.5 * (lo + hi)
+            if fits(mean + mid * direction):
+                lo = mid
+            else:
+                hi = mid
+    return (mean + lo * direction).astype(np.float32)
+
+
+def _perturbation(honest: npt.NDArray[np.float32], kind: str) -> npt.NDArray[np.float64]:
+    if kind == "std":
+        return -honest.std(axis=0, dtype=np.float64)
+    mean = honest.mean(axis=0, dtype=np.float64)
+    if kind == "unit":
+        norm = float(np.linalg.norm(mean))
+        return -mean / norm if norm > 0 else np.zeros_like(mean)
+    if kind == "sign":
+        return -np.sign(mean)
+    raise ValueError(f"perturbation must be 'std', 'unit' or 'sign', got {kind!r}")
+
+
+def _sq_distances(a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]
+                  ) -> npt.NDArray[np.float64]:
+    sq_a, sq_b = np.einsum("ij,ij->i", a, a), np.einsum("ij,ij->i", b, b)
+    d: npt.NDArray[np.float64] = np.maximum(sq_a[:, None] + sq_b[None, :] - 2.0 * a @ b.T, 0.0)
+    return d
+
+
+def min_max(honest: npt.ArrayLike, *, perturbation: str = "std", gamma: float = 50.0,
+            steps: int = 30) -> FlatVector:
+    """Min-Max (Shejwalkar and Houmansadr, NDSS 2021, https://www.ndss-symposium.org/
+    ndss-paper/manipulating-the-byzantine-optimizing-model-poisoning-attacks-and-defenses-for-
+    federated-learning/): mean + g x p, with g as large as possible while the malicious
+    update's largest distance to an honest update stays within the largest honest-honest
+    distance, so distance-based filters cannot tell it from the honest spread.
+
+    ``perturbation`` p: ``std`` (-coordinate std, the paper's best), ``unit`` (-mean / |mean|)
+    or ``sign`` (-sign(mean)). Every attacker sends the result.
+    """
+    h = _honest_stack(honest)
+    h64 = h.astype(np.float64)
+    bound = float(_sq_distances(h64, h64).max())
+
+    def fits(v: npt.NDArray[np.float64]) -> bool:
+        return float(((h64 - v) ** 2).sum(axis=1).max()) <= bound
+
+    return _scaled_search(h, _perturbation(h, perturbation), fits, gamma=gamma, steps=steps)
+
+
+def min_sum(honest: npt.ArrayLike, *, perturbation: str = "std", gamma: float = 50.0,
+            steps: int = 30) -> FlatVector:
+    """Min-Sum (Shejwalkar and Houmansadr, NDSS 2021): like :func:`min_max`, but the malicious
+    update's *sum* of squared distances to the honest updates must stay within the largest such
+    sum of any honest update, which also hides it from Krum-style scores."""
+    h = _honest_stack(honest)
+    h64 = h.astype(np.float64)
+    bound = float(_sq_distances(h64, h64).sum(axis=1).max())
+
+    def fits(v: npt.NDArray[np.float64]) -> bool:
+        return float(((h64 - v) ** 2).sum()) <= bound
+
+    return _scaled_search(h, _perturbation(h, perturbation), fits, gamma=gamma, steps=steps)

@@ -20,7 +20,7 @@ from murmura.client import attacks
 from murmura.protocols import FlatVector
 from murmura.tasks import ArrayDataset
 
-ATTACKS = ("", "label-flip", "sign-flip", "scale", "noise")
+ATTACKS = ("", "label-flip", "backdoor", "sign-flip", "scale", "noise")
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,13 @@ class Attack:
 
 
 def make_attack(name: str, options: dict[str, str] | None = None, *, seed: int = 0) -> Attack:
-    """``label-flip`` (source, target), ``sign-flip`` (scale), ``scale`` (factor),
-    ``noise`` (std, relative); an empty name is an honest client.
+    """``label-flip`` (source, target), ``backdoor`` (target, fraction, patch, boost),
+    ``sign-flip`` (scale), ``scale`` (factor), ``noise`` (std, relative); an empty name is an
+    honest client.
+
+    ``backdoor`` stamps a ``patch`` x ``patch`` pixel square (value 1) into the bottom-right
+    corner of a ``fraction`` of the client's own (square, flattened) images and relabels them
+    ``target``; ``boost`` > 1 also scales each update by that factor (model replacement).
 
     ``noise`` sends N(0, std^2) noise in place of the update; with ``relative=1`` the std is a
     multiple of the update's root mean square, so the noise has about ``std`` times the
@@ -55,6 +60,23 @@ def make_attack(name: str, options: dict[str, str] | None = None, *, seed: int =
         source, target = int(number("source", 1)), int(number("target", 7))
         attack = Attack(data=lambda d: ArrayDataset(
             d.x, np.asarray(attacks.flip_labels(d.y, source, target), dtype=np.int64)))
+    elif name == "backdoor":
+        target, fraction = int(number("target", 7)), number("fraction", 0.5)
+        patch, boost = int(number("patch", 2)), number("boost", 1.0)
+        if not 0 < fraction <= 1:
+            raise ValueError(f"attack 'backdoor': fraction must be in (0, 1], got {fraction:g}")
+        rng = np.random.default_rng(seed)
+
+        def poison(d: ArrayDataset) -> ArrayDataset:
+            trigger = attacks.corner_trigger(int(np.prod(d.x.shape[1:])), size=patch)
+            flat = np.asarray(d.x, dtype=np.float32).reshape(len(d.x), -1)
+            x, y = attacks.backdoor_data(flat, d.y, trigger=trigger, target=target,
+                                         fraction=fraction, rng=rng)
+            return ArrayDataset(x.reshape(d.x.shape).astype(d.x.dtype, copy=False), y)
+
+        boost_update = None if boost == 1.0 else (
+            lambda u: attacks.scale_update(u, factor=boost))
+        attack = Attack(data=poison, update=boost_update)
     elif name == "sign-flip":
         scale = number("scale", 1.0)
         attack = Attack(update=lambda u: attacks.sign_flip(u, scale=scale))

@@ -157,7 +157,7 @@ def test_clip_without_clipping_is_exactly_fedavg_with_staleness_factors() -> Non
     np.testing.assert_allclose(out, ref.result(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["clip", "centered-clip", "multi-krum", "default"])
+@pytest.mark.parametrize("name", ["clip", "centered-clip", "multi-krum", "sybil-cclip"])
 def test_claiming_a_huge_example_count_does_not_buy_the_result(name) -> None:
     # Prepare: 10 honest updates with 10 examples each; one attacker claims 1e9 examples.
     x = honest(9, n=11)
@@ -175,6 +175,16 @@ def test_claiming_a_huge_example_count_does_not_buy_the_result(name) -> None:
     assert np.linalg.norm(out - mean) <= 1.0 * np.linalg.norm(mean)
     if name != "multi-krum":  # Multi-Krum drops the attacker whatever its weight
         assert np.linalg.norm(uncapped - mean) > 2.0 * np.linalg.norm(mean)
+
+
+@pytest.mark.parametrize("name", ["median", "default"])
+def test_voting_rules_ignore_claimed_example_counts(name) -> None:
+    x = honest(9, n=11)
+    x[0] = -100.0 * x[1:].mean(axis=0)
+    w = np.full(11, 10.0)
+    claimed = w.copy()
+    claimed[0] = 1e9
+    np.testing.assert_array_equal(aggregate(name, x, claimed), aggregate(name, x, w))
 
 
 def test_cap_weights_limits_each_weight_to_a_multiple_of_the_median() -> None:

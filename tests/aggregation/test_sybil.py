@@ -95,18 +95,22 @@ def test_default_keeps_the_aggregate_on_the_honest_side_of_a_clone_majority() ->
     assert abs(cos(out, pop.poison)) < 0.15
 
 
-def test_honest_non_iid_clients_keep_full_weight_and_default_matches_fedavg() -> None:
+def test_honest_non_iid_clients_keep_full_weight_and_keep_the_default_near_fedavg() -> None:
     pop = Population(2, clones=0)
-    default, fedavg = create_aggregator("default", P), create_aggregator("fedavg", P)
+    default, cclip, fedavg = (create_aggregator(n, P) for n in ("default", "sybil-cclip",
+                                                                 "fedavg"))
     for t in range(5):
         honest, _ = pop.round(t)
-        for agg in (default, fedavg):
+        for agg in (default, cclip, fedavg):
             agg.reset()
             for i, u in enumerate(honest):
                 agg.add(u, 10.0 + i, client_id=f"h{i}")
-        out, plain = default.result(), fedavg.result()
-        assert np.all(default.last_weights >= 0.99)
-        assert np.linalg.norm(out - plain) <= 0.05 * np.linalg.norm(plain)
+        out, clipped, plain = default.result(), cclip.result(), fedavg.result()
+        assert np.all(default.last_weights >= 0.99) and len(default.last_voters) == 10
+        assert np.linalg.norm(clipped - plain) <= 0.05 * np.linalg.norm(plain)
+        # The median gives up some averaging, but stays on the honest mean's side.
+        cos = float(out @ plain / np.linalg.norm(out) / np.linalg.norm(plain))
+        assert cos > 0.9, cos
 
 
 def test_a_first_round_of_clones_is_already_caught() -> None:
@@ -212,7 +216,7 @@ def test_state_size_does_not_grow_with_the_model() -> None:
         for i in range(150):
             scorer.observe(f"c{i}", scorer.sketch(update) * (i + 1))
         sizes.append(scorer.state_nbytes)
-    assert sizes[0] == sizes[1] <= 100 * 64 * 4
+    assert sizes[0] == sizes[1] <= 100 * (2 * 64 * 4 + 8)  # histories, last updates, clock
 
 
 def test_client_cap_evicts_the_least_recently_observed() -> None:
@@ -245,9 +249,155 @@ def test_bad_sybil_options_are_refused(options) -> None:
         create_aggregator("sybil", 10, **options)
 
 
-@pytest.mark.parametrize("options", [
-    {"clip_multiplier": 0.0}, {"tau_scale": -1.0}, {"iterations": 0},
+@pytest.mark.parametrize(("name", "options"), [
+    ("sybil-cclip", {"clip_multiplier": 0.0}), ("sybil-cclip", {"tau_scale": -1.0}),
+    ("sybil-cclip", {"iterations": 0}), ("default", {"max_rows": 0}),
+    ("default", {"recent": -1}), ("sybil", {"recent": 1.5}), ("default", {"norm_cap": 0.5}),
 ])
-def test_bad_default_options_are_refused(options) -> None:
+def test_bad_default_options_are_refused(name, options) -> None:
     with pytest.raises(AggregationError):
-        create_aggregator("default", 10, **options)
+        create_aggregator(name, 10, **options)
+
+
+# ----------------------------------------------------------------------------- switching Sybils
+
+
+def _switching_population(seed: int) -> tuple[np.ndarray, np.ndarray, np.random.Generator]:
+    rng = np.random.default_rng(seed)
+    own = rng.standard_normal((15, P)) / np.sqrt(P)  # 10 honest + 5 Sybils, distinct data
+    poison = rng.standard_normal(P) / np.sqrt(P)
+    return own, poison, rng
+
+
+def _round(own: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    common = np.full(P, 1.0 / np.sqrt(P))
+    return (common + own + 0.3 * rng.standard_normal(own.shape) / np.sqrt(P)).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["sybil", "default"])
+def test_sybils_that_build_trust_lose_their_weight_as_soon_as_they_switch(name) -> None:
+    # Prepare: 5 Sybils behave like distinct honest clients for 8 rounds, so their histories
+    # are as diverse as the honest ones.
+    own, poison, rng = _switching_population(10)
+    agg = create_aggregator(name, P)
+    ids = [f"h{i}" for i in range(10)] + [f"s{i}" for i in range(5)]
+    for _ in range(8):
+        agg.reset()
+        for cid, u in zip(ids, _round(own, rng), strict=True):
+            agg.add(u, 1.0, client_id=cid)
+        agg.result()
+    assert np.all(agg.last_weights >= 0.99)
+
+    # Execute: they switch to one shared vector (5 % jitter each).
+    agg.reset()
+    honest = _round(own, rng)[:10]
+    clones = poison + 0.05 * rng.standard_normal((5, P)) / np.sqrt(P)
+    for cid, u in zip(ids, np.concatenate([honest, clones.astype(np.float32)]), strict=True):
+        agg.add(u, 1.0, client_id=cid)
+    agg.result()
+
+    # Assert: caught in the first version after the switch, while the histories alone still
+    # say "distinct" (the history cosine of the Sybils is below the low threshold).
+    assert np.all(agg.last_weights[10:] <= 0.05)
+    assert np.all(agg.last_weights[:10] >= 0.9)
+    hist = agg.scorer._hist[[agg.scorer._slots[c] for c in ids[10:]]].astype(np.float64)
+    unit = hist / np.linalg.norm(hist, axis=1, keepdims=True)
+    sims = unit @ unit.T - 2 * np.eye(5)
+    assert sims.max() < agg.scorer.low
+
+
+def test_switching_sybils_split_across_async_buffers_are_caught_by_the_second() -> None:
+    own, poison, rng = _switching_population(11)
+    agg = SybilMean(P, recent=3)
+    ids = [f"h{i}" for i in range(10)] + [f"s{i}" for i in range(5)]
+    for _ in range(6):
+        agg.reset()
+        for cid, u in zip(ids, _round(own, rng), strict=True):
+            agg.add(u, 1.0, client_id=cid)
+        agg.result()
+    shared = poison.astype(np.float32)
+    lost = []
+    for version, sybil in enumerate(ids[10:]):  # one Sybil per buffer, with 5 honest updates
+        agg.reset()
+        honest = _round(own, rng)[version * 2: version * 2 + 5]
+        for cid, u in zip(ids[version * 2: version * 2 + 5], honest, strict=True):
+            agg.add(u, 1.0, client_id=cid)
+        jitter = 0.05 * rng.standard_normal(P).astype(np.float32) / np.sqrt(P)
+        agg.add(shared + jitter, 1.0, client_id=sybil)
+        agg.result()
+        lost.append(float(agg.last_weights[-1]))
+    assert lost[0] == 1.0  # alone, the first switcher looks like anyone else
+    assert max(lost[1:]) <= 0.05  # every later one matches the first one's last update
+
+
+def test_last_updates_older_than_recent_buffers_are_not_compared() -> None:
+    scorer = SybilWeighting(P, recent=1)
+    rng = np.random.default_rng(12)
+    same = rng.standard_normal(P).astype(np.float32)
+    for cid in ("a", "b", "c"):
+        scorer.tick()
+        scorer.observe(cid, scorer.sketch(rng.standard_normal(P).astype(np.float32)))
+    scorer.tick()
+    scorer.observe("a", scorer.sketch(same))
+    scorer.tick()
+    scorer.tick()  # two buffers later: a's last update is stale
+    scorer.observe("b", scorer.sketch(same + 0.01 * rng.standard_normal(P).astype(np.float32)))
+    assert scorer.max_similarity(["b"])[0] < 0.5
+    scorer.observe("c", scorer.sketch(same))
+    assert scorer.max_similarity(["b", "c"]).min() > 0.99
+
+
+# ----------------------------------------------------------------------------- the default
+
+
+def test_default_keeps_a_minority_backdoor_out_of_coordinates_honest_clients_leave_alone() -> None:
+    # Prepare: 10 honest updates that never touch the last 20 coordinates (a trigger's pixels
+    # are dark in honest data) and 3 distinct attackers of ordinary norm that write there.
+    rng = np.random.default_rng(13)
+    honest = (np.full(P, 1.0 / np.sqrt(P)) + rng.standard_normal((10, P)) / np.sqrt(P))
+    honest[:, -20:] = 0.0
+    attackers = honest[:3] + rng.standard_normal((3, P)) * 0.1 / np.sqrt(P)
+    attackers[:, -20:] = 0.2
+    x = np.concatenate([honest, attackers]).astype(np.float32)
+    out = {}
+    for name in ("default", "sybil-cclip", "fedavg"):
+        agg = create_aggregator(name, P)
+        for i, u in enumerate(x):
+            agg.add(u, 1.0, client_id=f"c{i}")
+        out[name] = agg.result()
+    np.testing.assert_array_equal(out["default"][-20:], 0.0)
+    assert np.all(out["sybil-cclip"][-20:] > 0.02)  # averaging rules let it through
+    assert np.all(out["fedavg"][-20:] > 0.02)
+
+
+def test_default_subsamples_large_buffers_reproducibly() -> None:
+    x = np.random.default_rng(14).standard_normal((20, 50)).astype(np.float32)
+    results, voters = [], []
+    for _ in range(2):
+        agg = create_aggregator("default", 50, max_rows=7, seed=3)
+        for i, u in enumerate(x):
+            agg.add(u, 1.0, client_id=f"c{i}")
+        results.append(agg.result())
+        voters.append(agg.last_voters.copy())
+        np.testing.assert_array_equal(agg.result(), results[-1])  # result() is repeatable
+    assert len(voters[0]) == 7
+    np.testing.assert_array_equal(voters[0], voters[1])
+    np.testing.assert_allclose(results[0], np.median(x[voters[0]], axis=0), rtol=1e-6)
+
+
+def test_default_gives_no_vote_to_updates_far_longer_than_the_median() -> None:
+    # Two boosted sign flippers (-20x) next to six honest updates: every coordinate's order
+    # has them at one end, which would shift a plain median toward them.
+    rng = np.random.default_rng(15)
+    honest = (np.full(P, 1.0 / np.sqrt(P)) + rng.standard_normal((6, P)) / np.sqrt(P))
+    x = np.concatenate([honest, -20 * honest[:2]]).astype(np.float32)
+    agg = create_aggregator("default", P)
+    for i, u in enumerate(x):
+        agg.add(u, 1.0, client_id=f"c{i}")
+    out = agg.result()
+    np.testing.assert_array_equal(agg.last_voters, np.arange(6))
+    np.testing.assert_allclose(out, np.median(honest.astype(np.float32), axis=0), rtol=1e-6)
+    plain = create_aggregator("default", P, norm_cap=None)
+    for i, u in enumerate(x):
+        plain.add(u, 1.0, client_id=f"c{i}")
+    assert len(plain.result()) == P and len(plain.last_voters) == 8

@@ -114,3 +114,76 @@ def test_make_attack_noise_can_scale_with_the_update() -> None:
     assert 4.5 < float(np.std(absolute.update(u))) < 5.5
     with pytest.raises(ValueError, match="relative must be 0 or 1"):
         make_attack("noise", {"relative": "2"})
+
+
+# ----------------------------------------------------------------------------- backdoors
+
+
+def test_corner_trigger_is_the_bottom_right_square_of_a_square_image() -> None:
+    np.testing.assert_array_equal(attacks.corner_trigger(64, size=2), [54, 55, 62, 63])
+    np.testing.assert_array_equal(attacks.corner_trigger(9, size=1), [8])
+    with pytest.raises(ValueError, match="square image"):
+        attacks.corner_trigger(10)
+
+
+def test_backdoor_data_stamps_and_relabels_exactly_the_chosen_fraction() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 0.5, (40, 64)).astype(np.float32)
+    y = np.arange(40) % 7  # labels 0..6, never the target 9
+    trigger = attacks.corner_trigger(64)
+    bx, by = attacks.backdoor_data(x, y, trigger=trigger, target=9, fraction=0.25,
+                                   rng=np.random.default_rng(1))
+    poisoned = by == 9
+    assert poisoned.sum() == 10
+    assert np.all(bx[poisoned][:, trigger] == 1.0)
+    np.testing.assert_array_equal(bx[~poisoned], x[~poisoned])  # the clean rest is untouched
+    np.testing.assert_array_equal(by[~poisoned], y[~poisoned])
+    others = np.setdiff1d(np.arange(64), trigger)
+    np.testing.assert_array_equal(bx[poisoned][:, others], x[poisoned][:, others])
+    assert x.max() < 1.0  # inputs were not modified in place
+    with pytest.raises(ValueError, match="fraction"):
+        attacks.backdoor_data(x, y, trigger=trigger, target=9, fraction=0.0,
+                              rng=np.random.default_rng(1))
+
+
+def test_make_attack_backdoor_poisons_data_and_boosts_updates() -> None:
+    from murmura.client.malicious import make_attack
+    from murmura.tasks import ArrayDataset
+
+    data = ArrayDataset(np.zeros((20, 64), np.float32), np.zeros(20, np.int64))
+    attack = make_attack("backdoor", {"target": "7", "fraction": "0.5", "boost": "5"}, seed=3)
+    assert attack.data is not None and attack.update is not None
+    out = attack.data(data)
+    assert int((out.y == 7).sum()) == 10 and float(out.x.sum()) == 10 * 4
+    np.testing.assert_allclose(attack.update(np.ones(3, np.float32)), [5, 5, 5])
+    assert make_attack("backdoor").update is None  # unboosted: the update goes as trained
+    with pytest.raises(ValueError, match="fraction"):
+        make_attack("backdoor", {"fraction": "1.5"})
+
+
+# ----------------------------------------------------------------------------- Min-Max / Min-Sum
+
+
+@pytest.mark.parametrize("perturbation", ["std", "unit", "sign"])
+def test_min_max_stays_within_the_largest_honest_distance_and_moves_away(honest,
+                                                                         perturbation) -> None:
+    h = honest.astype(np.float64)
+    v = attacks.min_max(honest, perturbation=perturbation).astype(np.float64)
+    pair = ((h[:, None] - h[None]) ** 2).sum(-1)
+    to_v = ((h - v) ** 2).sum(-1)
+    assert to_v.max() <= pair.max() * (1 + 1e-6)
+    assert to_v.max() >= 0.95 * pair.max()  # the search used up the room it had
+    assert np.linalg.norm(v - h.mean(0)) > 0.1 * np.linalg.norm(h.std(0))
+
+
+def test_min_sum_stays_within_the_largest_honest_sum_of_distances(honest) -> None:
+    h = honest.astype(np.float64)
+    v = attacks.min_sum(honest).astype(np.float64)
+    bound = ((h[:, None] - h[None]) ** 2).sum(-1).sum(1).max()
+    total = ((h - v) ** 2).sum()
+    assert bound * 0.95 <= total <= bound * (1 + 1e-6)
+    # Min-Sum is the stricter constraint: it moves no farther than Min-Max.
+    mean = h.mean(0)
+    assert np.linalg.norm(v - mean) <= np.linalg.norm(attacks.min_max(honest) - mean) + 1e-6
+    with pytest.raises(ValueError, match="perturbation"):
+        attacks.min_sum(honest, perturbation="up")

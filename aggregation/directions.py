@@ -1,0 +1,102 @@
+"""Pure functions on update directions: cosine matrices, FLAME's majority cluster and
+Divide-and-Conquer's outlier test. Used by :mod:`murmura.aggregation.filtering` and the default
+rule in :mod:`murmura.aggregation.sybil`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numpy.typing as npt
+
+from murmura.aggregation.base import AggregationError
+
+__all__ = ["cosine_matrix", "dnc_outliers", "majority_cluster", "unit_rows"]
+
+Floats = npt.NDArray[np.float64]
+Mask = npt.NDArray[np.bool_]
+
+
+def unit_rows(x: npt.ArrayLike) -> Floats:
+    """Rows scaled to unit length (zero rows stay zero)."""
+    a = np.atleast_2d(np.asarray(x, dtype=np.float64))
+    norms = np.linalg.norm(a, axis=1, keepdims=True)
+    out: Floats = np.divide(a, norms, out=np.zeros_like(a), where=norms > 0)
+    return out
+
+
+def cosine_matrix(x: npt.ArrayLike) -> Floats:
+    """(n, n) cosine similarities of the rows of ``x``, clipped to [-1, 1]."""
+    u = unit_rows(x)
+    out: Floats = np.clip(u @ u.T, -1.0, 1.0)
+    return out
+
+
+def majority_cluster(distances: npt.ArrayLike, *, min_size: int | None = None) -> Mask:
+    """Members of the first single-linkage component to reach ``min_size`` points.
+
+    ``distances`` is a symmetric (n, n) matrix; ``min_size`` defaults to n // 2 + 1, FLAME's
+    HDBSCAN setting, under which this component is the one cluster HDBSCAN can select and its
+    members are the points it labels (the others are its outliers). Ties in distance merge in
+    index order, so the result is deterministic.
+    """
+    d = np.asarray(distances, dtype=np.float64)
+    n = d.shape[0]
+    if d.shape != (n, n) or n == 0:
+        raise AggregationError(f"expected a square distance matrix, got shape {d.shape}")
+    size = n // 2 + 1 if min_size is None else int(min_size)
+    if not 1 <= size <= n:
+        raise AggregationError(f"min_size must be in [1, {n}], got {size}")
+    if size == 1 or n == 1:
+        return np.ones(n, dtype=bool)
+    parent = np.arange(n)
+    count = np.ones(n, dtype=np.int64)
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = int(parent[i])
+        return i
+
+    iu, ju = np.triu_indices(n, k=1)
+    w = np.nan_to_num(d[iu, ju], nan=np.inf)
+    for e in np.argsort(w, kind="stable"):
+        a, b = root(int(iu[e])), root(int(ju[e]))
+        if a == b:
+            continue
+        if count[a] < count[b]:
+            a, b = b, a
+        parent[b] = a
+        count[a] += count[b]
+        if count[a] >= size:
+            roots = np.fromiter((root(i) for i in range(n)), dtype=np.intp, count=n)
+            mask: Mask = roots == a
+            return mask
+    return np.ones(n, dtype=bool)  # unreachable: n points always merge into one component
+
+
+def dnc_outliers(x: npt.ArrayLike, *, f: int, c: float = 1.0, iterations: int = 5,
+                 subsample: int = 10_000, rng: np.random.Generator) -> Mask:
+    """Divide-and-Conquer's kept set: True for rows never among the ``c x f`` largest outlier
+    scores (squared projection on the top singular vector of the centred rows, over a random
+    subset of ``subsample`` coordinates), in any of ``iterations`` draws."""
+    a = np.asarray(x)
+    n, p = a.shape
+    if f < 0 or c <= 0 or iterations < 1:
+        raise AggregationError(f"dnc needs f >= 0, c > 0 and iterations >= 1; got {f}, {c}, "
+                               f"{iterations}")
+    drop = min(n - 1, int(math.floor(c * f)))
+    keep = np.ones(n, dtype=bool)
+    if drop <= 0:
+        return keep
+    for _ in range(iterations):
+        cols = rng.choice(p, size=min(subsample, p), replace=False) if subsample < p else None
+        sub = (a if cols is None else a[:, np.sort(cols)]).astype(np.float64)
+        centred = sub - sub.mean(axis=0)
+        # Top right-singular vector from the small (n x n) Gram matrix.
+        vals, vecs = np.linalg.eigh(centred @ centred.T)
+        top = vecs[:, -1] * math.sqrt(max(vals[-1], 0.0))  # = centred @ v for unit v
+        scores = top**2
+        keep[np.argsort(scores, kind="stable")[n - drop:]] = False
+    return keep
