@@ -205,10 +205,13 @@ class SybilWeighting:
             self._free.append(slot)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """The tracked clients (least recently observed first) and their histories."""
+        """The tracked clients (least recently observed first), their histories, their last
+        updates with the tick each arrived at, and the clock."""
         ids = list(self._slots)
         rows = np.fromiter(self._slots.values(), dtype=np.intp, count=len(ids))
-        return {"ids": np.array(ids, dtype=str), "hist": self._hist[rows].copy()}
+        return {"ids": np.array(ids, dtype=str), "hist": self._hist[rows].copy(),
+                "last": self._last[rows].copy(), "seen": self._seen[rows].copy(),
+                "clock": np.array([self.clock], dtype=np.int64)}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Take back :meth:`state_dict`'s histories (same ``dim``; at most ``max_clients``)."""
@@ -220,10 +223,18 @@ class SybilWeighting:
         if hist.shape != (len(ids), self.dim):
             raise AggregationError(f"Sybil histories have shape {hist.shape}, expected "
                                    f"({len(ids)}, {self.dim})")
-        ids, hist = ids[-self.max_clients:], hist[-self.max_clients:]
+        # A state saved before last updates were tracked has none: they start unseen.
+        last = np.asarray(state.get("last", np.zeros((len(ids), self.dim))), dtype=np.float32)
+        seen = np.asarray(state.get("seen", np.full(len(ids), -(2**40))), dtype=np.int64)
+        if last.shape != hist.shape or seen.shape != (len(ids),):
+            raise AggregationError(f"Sybil last updates have shape {last.shape} and {seen.shape}, "
+                                   f"expected {hist.shape} and ({len(ids)},)")
+        keep = slice(-self.max_clients, None)
+        ids, hist, last, seen = ids[keep], hist[keep], last[keep], seen[keep]
         self._slots = OrderedDict((cid, i) for i, cid in enumerate(ids))
         self._free = []
-        self._hist = hist.copy()
+        self._hist, self._last, self._seen = hist.copy(), last.copy(), seen.copy()
+        self.clock = int(np.asarray(state.get("clock", [0])).ravel()[0])
 
     def __contains__(self, client_id: object) -> bool:
         return client_id in self._slots
