@@ -1,4 +1,4 @@
-"""The ``murmura`` command: run, server, client (and ``python -m murmura``)."""
+"""The ``murmura`` command: run, server, client, peer, simulate (and ``python -m murmura``)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class RunConfig:
     client_threads: int = 1
     timeout_s: float = 900.0
     in_process: bool = False   # clients as threads of this process instead of processes
+    gossip: bool = False       # N peer processes and no server ([gossip] table, docs/gossip.md)
 
     def __post_init__(self) -> None:
         if self.clients < 1:
@@ -65,6 +66,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     _configure_logging(args, logging.WARNING)
     toml = read_toml(args.config)
     run = build(RunConfig, toml.get("run"), args, section="run")
+    if run.gossip:
+        from murmura.peers import cmd_run_gossip
+
+        return cmd_run_gossip(args, run, toml)
     given_min = args.min_clients is not None or "min_clients" in toml.get("server", {})
     task, server = _task_and_server(args, toml, address="127.0.0.1:0")
     if not given_min:  # wait for every client before the first round: a deterministic cohort
@@ -367,6 +372,8 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from murmura.client import ClientConfig
+    from murmura.gossip import GossipConfig, PeerConfig
+    from murmura.peers import cmd_peer
     from murmura.server import ServerConfig
     from murmura.tasks import TaskConfig
 
@@ -388,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, RunConfig, title="run")
     add_arguments(p, TaskConfig, title="task")
     add_arguments(p, ServerConfig, title="server", skip=("address",))
+    add_arguments(p, GossipConfig, title="gossip (with --gossip)")
     p.add_argument("--device", default=None, help="clients' device: auto, cpu, cuda, mps")
     p.set_defaults(fn=cmd_run)
 
@@ -411,6 +419,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, ClientConfig, title="client")
     add_arguments(p, TaskConfig, title="task")
     p.set_defaults(fn=cmd_client)
+
+    p = sub.add_parser("peer", help="run one gossip peer (no server)",
+                       description="Serve the Peer service on --listen, join through any "
+                       "--bootstrap peer, and train with the peers it finds: each round it "
+                       "trains on its data share, sends its model to a few peers and mixes "
+                       "what it receives (docs/gossip.md).")
+    common(p)
+    add_arguments(p, PeerConfig, title="peer")
+    add_arguments(p, GossipConfig, title="gossip")
+    add_arguments(p, TaskConfig, title="task")
+    p.set_defaults(fn=cmd_peer)
 
     from murmura.simulation.cli import add_parser as add_simulate
 

@@ -1,0 +1,184 @@
+"""One peer's state and decisions, with no transport and no clock.
+
+:class:`PeerNode` holds the peer's model, round, bounded view and inbox; it checks an incoming
+model (sender, spec, shape, finiteness, round), decides whom to send to, and mixes. The gRPC
+runtime (:class:`~murmura.gossip.PeerRuntime`) and the simulator both drive it, so a simulated
+peer refuses, chooses and mixes exactly as a deployed one. Not thread-safe: its driver locks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from murmura.aggregation import SybilWeighting
+from murmura.gossip.config import GossipConfig
+from murmura.gossip.errors import FailedPrecondition, InvalidArgument, short
+from murmura.gossip.mixing import mix, parse_options
+from murmura.gossip.topology import expected_senders, stable_hash, targets
+from murmura.gossip.view import PeerView
+from murmura.protocols import FlatVector, ModelSpec, PeerInfo
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PeerNode", "Received", "training_seed"]
+
+#: Message ids remembered for deduplication (a retried push is taken once).
+SEEN_IDS = 4096
+
+
+@dataclass(frozen=True)
+class Received:
+    sender: str
+    round: int
+    model: FlatVector
+    num_examples: int
+
+
+class PeerNode:
+    """A peer's model, round, view and inbox (see the module docstring)."""
+
+    def __init__(self, peer_id: str, spec: ModelSpec, config: GossipConfig, model: FlatVector,
+                 *, address: str = "", num_peers: int = 0) -> None:
+        spec.check_vector(model)
+        self.peer_id, self.spec, self.config, self.address = peer_id, spec, config, address
+        self.model = np.array(model, dtype=np.float32, copy=True)
+        self.round = 0
+        self.view = PeerView(peer_id, config.view_size, seed=config.seed)
+        self.num_peers = num_peers  # the run's size when known (Epidemic's s = log2 n)
+        self.inbox: dict[str, Received] = {}
+        self.dead: dict[str, str] = {}  # peer id -> address found unreachable
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self.fingerprint = spec.fingerprint()
+        self.options = parse_options(config.rule_options)
+        self.sybil = (SybilWeighting(spec.size, seed=config.seed, max_clients=max(
+            2, 4 * config.view_size)) if config.sybil else None)
+
+    # -- membership
+
+    def me(self) -> PeerInfo:
+        return PeerInfo(self.peer_id, self.address, self.round, 0)
+
+    def members(self) -> list[str]:
+        return self.view.ids()
+
+    def merge(self, entries: Sequence[PeerInfo]) -> None:
+        """Merge entries heard second-hand, except those of peers found dead at that address."""
+        self.view.merge([e for e in entries if self.dead.get(e.peer_id) != e.address])
+
+    def heard_from(self, sender: PeerInfo) -> None:
+        """The sender contacted this peer itself: it is alive at that address."""
+        if self.dead.get(sender.peer_id) == sender.address:
+            del self.dead[sender.peer_id]
+        self.view.merge([PeerInfo(sender.peer_id, sender.address, sender.round, 0)])
+
+    def mark_dead(self, peer_id: str, address: str) -> None:
+        """A send or shuffle to ``peer_id`` failed for good (or it said goodbye)."""
+        self.dead[peer_id] = address
+        entry = self.view.get(peer_id)
+        if entry is not None and entry.address == address:
+            self.view.remove(peer_id)
+
+    def shuffle_start(self, *, tick: bool = True) -> tuple[PeerInfo | None, list[PeerInfo]]:
+        """(partner, entries to offer) for this round's view shuffle."""
+        if tick:
+            self.view.tick()
+        partner = self.view.shuffle_partner()
+        if partner is None:
+            return None, []
+        offer = [e for e in self.view.sample(self.config.shuffle_size)
+                 if e.peer_id != partner.peer_id]
+        return partner, offer
+
+    def shuffle_answer(self, sender: PeerInfo, offered: Sequence[PeerInfo]) -> list[PeerInfo]:
+        """Answer a shuffle: entries of this view for the sender, then take its offer in."""
+        reply = [e for e in self.view.sample(self.config.shuffle_size)
+                 if e.peer_id != sender.peer_id]
+        self.heard_from(sender)
+        self.merge(offered)
+        return reply
+
+    # -- decisions
+
+    def targets(self, round_: int | None = None) -> list[str]:
+        """The peers this peer sends its model to in ``round_`` (default: its round)."""
+        r = self.round if round_ is None else round_
+        members = self.members()
+        return targets(self.config.topology, self.peer_id, r, members,
+                       fanout=self.config.fanout_for(self.num_peers or len(members) + 1),
+                       degree=self.config.degree, seed=self.config.seed)
+
+    def expected(self) -> int:
+        """Models to wait for before mixing (see :class:`GossipConfig.min_messages`)."""
+        if self.config.min_messages:
+            return self.config.min_messages
+        return expected_senders(self.config.topology, self.peer_id, self.members(),
+                                degree=self.config.degree)
+
+    def ready(self, round_: int) -> int:
+        """How many inbox models count for mixing at ``round_``."""
+        return sum(1 for r in self.inbox.values() if r.round >= round_)
+
+    # -- incoming
+
+    def check_model(self, sender: str, round_: int, num_examples: int, fingerprint: str) -> None:
+        """Refuse a push by its header alone (before any payload byte is decoded)."""
+        if fingerprint != self.fingerprint:
+            raise FailedPrecondition(f"model spec {short(fingerprint, 24)} differs from this "
+                                     f"peer's {self.fingerprint}")
+        if num_examples < 0:
+            raise InvalidArgument(f"num_examples must be >= 0, got {num_examples}")
+        if round_ < 0 or round_ > self.round + 10 * self.config.max_round_lag + 1000:
+            raise InvalidArgument(f"round {round_} is implausible (this peer is at "
+                                  f"{self.round})")
+        if round_ < self.round - self.config.max_round_lag:
+            raise FailedPrecondition(f"round {round_} is stale: this peer is at round "
+                                     f"{self.round} and takes models at most "
+                                     f"{self.config.max_round_lag} rounds old")
+
+    def receive(self, sender: str, round_: int, message_id: str, model: FlatVector,
+                num_examples: int = 1, fingerprint: str | None = None) -> bool:
+        """Take a neighbour's model into the inbox; False for a duplicate message id.
+
+        Raises a :class:`~murmura.gossip.errors.GossipError` (and changes nothing) for a bad
+        model. A sender's newer model replaces its older one in the inbox.
+        """
+        self.check_model(sender, round_, num_examples,
+                         self.fingerprint if fingerprint is None else fingerprint)
+        if message_id and message_id in self._seen:
+            return False
+        if model.shape != (self.spec.size,):
+            raise InvalidArgument(f"model has {model.size} values, expected {self.spec.size}")
+        if not np.isfinite(model).all():
+            raise InvalidArgument("model has non-finite values (NaN or infinity)")
+        old = self.inbox.get(sender)
+        if old is None or old.round <= round_:
+            self.inbox[sender] = Received(sender, round_, model, num_examples)
+        if message_id:
+            self._seen[message_id] = None
+            while len(self._seen) > SEEN_IDS:
+                self._seen.popitem(last=False)
+        return True
+
+    # -- mixing
+
+    def mix(self) -> int:
+        """Mix the inbox into the model (senders in id order); return how many were mixed."""
+        fresh = sorted((r for r in self.inbox.values()
+                        if r.round >= self.round - self.config.max_round_lag),
+                       key=lambda r: r.sender)
+        self.inbox.clear()
+        if fresh:
+            self.model = mix(self.model, [(r.sender, r.model) for r in fresh],
+                             rule=self.config.rule, options=self.options, owner=self.peer_id,
+                             sybil=self.sybil)
+        return len(fresh)
+
+
+def training_seed(seed: int, peer_id: str, round_: int) -> int:
+    """The local-training seed of ``peer_id`` in ``round_`` (real and simulated peers alike)."""
+    return stable_hash(seed, "train", peer_id, round_) % (2**63)
