@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -155,7 +154,7 @@ def cmd_run_gossip(args: argparse.Namespace, run: Any, toml: dict[str, Any]) -> 
     # torch op and no gRPC channel may run in this process before the fork.
     import torch._dynamo  # noqa: F401
 
-    import murmura.gossip.process  # noqa: F401
+    from murmura.gossip.process import peer_process
 
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     ready = ctx.Queue()
@@ -165,12 +164,12 @@ def cmd_run_gossip(args: argparse.Namespace, run: Any, toml: dict[str, Any]) -> 
     sys.stderr.flush()
     first = PeerConfig(client_index=0, num_clients=run.clients, report=str(report),
                        threads=run.client_threads, device=args.device or "cpu")
-    procs.append(ctx.Process(target=_peer_process, name=ids[0],
-                             args=(first, task, gossip, str(out / "peers" / f"{ids[0]}.log"),
-                                   ready)))
+    procs.append(ctx.Process(target=peer_process, name=ids[0],
+                             args=(first, task, gossip, ready,
+                                   str(out / "peers" / f"{ids[0]}.log"))))
     procs[0].start()
     try:
-        bootstrap = ready.get(timeout=120)
+        bootstrap = ready.get(timeout=120)[2]
     except Exception:
         print("the first peer did not start (see its log)", file=sys.stderr)
         _stop(procs)
@@ -179,8 +178,8 @@ def cmd_run_gossip(args: argparse.Namespace, run: Any, toml: dict[str, Any]) -> 
         cfg = PeerConfig(client_index=i, num_clients=run.clients, report=str(report),
                          bootstrap=bootstrap, threads=run.client_threads,
                          device=args.device or "cpu")
-        p = ctx.Process(target=_peer_process, name=ids[i],
-                        args=(cfg, task, gossip, str(out / "peers" / f"{ids[i]}.log"), None))
+        p = ctx.Process(target=peer_process, name=ids[i],
+                        args=(cfg, task, gossip, None, str(out / "peers" / f"{ids[i]}.log")))
         p.start()
         procs.append(p)
     print(f"first peer listening on {bootstrap}", file=sys.stderr)
@@ -221,25 +220,6 @@ def cmd_run_gossip(args: argparse.Namespace, run: Any, toml: dict[str, Any]) -> 
         print("no round was completed")
     print(f"results: {out}/metrics.jsonl, {out}/summary.json, {out}/accuracy.png")
     return 0 if finished and not failed else 1
-
-
-def _peer_process(cfg: Any, task: Any, gossip: Any, log_path: str, ready: Any) -> None:
-    from murmura.gossip.process import build_peer
-
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    runtime = build_peer(cfg, task, gossip)
-    signal.signal(signal.SIGTERM, lambda *_: runtime.stop())
-    address = runtime.start()
-    print(f"murmura peer {cfg.identity()} listening on {address}", flush=True)
-    if ready is not None:
-        ready.put(address)
-    stats = runtime.run()
-    print(f"peer {cfg.identity()}: {stats.rounds} rounds, {stats.sent} sent, "
-          f"{stats.received} received, {stats.send_failures} failed sends", flush=True)
 
 
 def _stop(procs: list[Any], grace_s: float = 30.0) -> int:

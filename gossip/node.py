@@ -52,6 +52,7 @@ class PeerNode:
         self.num_peers = num_peers  # the run's size when known (Epidemic's s = log2 n)
         self.inbox: dict[str, Received] = {}
         self.dead: dict[str, str] = {}  # peer id -> address found unreachable
+        self.newest = 0  # the highest round of any model mixed in
         self._seen: OrderedDict[str, None] = OrderedDict()
         self.fingerprint = spec.fingerprint()
         self.options = parse_options(config.rule_options)
@@ -172,11 +173,19 @@ class PeerNode:
                         if r.round >= self.round - self.config.max_round_lag),
                        key=lambda r: r.sender)
         self.inbox.clear()
+        self.newest = max([self.newest, *(r.round for r in fresh)])
         if fresh:
             self.model = mix(self.model, [(r.sender, r.model) for r in fresh],
                              rule=self.config.rule, options=self.options, owner=self.peer_id,
                              sybil=self.sybil)
         return len(fresh)
+
+    def advance(self, round_: int) -> int:
+        """After mixing in ``round_``: the next round. A peer that fell behind (a slow device,
+        a restart) jumps to the newest round it has mixed a model of, so it never trains
+        rounds the network has left behind."""
+        self.round = max(round_ + 1, self.newest)
+        return self.round
 
 
 def training_seed(seed: int, peer_id: str, round_: int) -> int:

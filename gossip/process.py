@@ -86,3 +86,35 @@ def run_peer(cfg: PeerConfig, task_cfg: TaskConfig, gossip: GossipConfig,
         threading.Thread(target=lambda: (stop.wait(), runtime.stop()), daemon=True).start()
     stats = runtime.run()
     return runtime, stats
+
+
+def peer_process(cfg: PeerConfig, task_cfg: TaskConfig, gossip: GossipConfig,
+                 events: Any = None, log_path: str = "") -> None:
+    """Entry point of a peer child process (``murmura run --gossip``, tests).
+
+    Puts ``("started", peer_id, address)`` and, at the end, ``("done", peer_id, stats, model,
+    first_round)`` on ``events`` when given; SIGTERM is a graceful leave.
+    """
+    import os
+    import signal
+    import sys
+    from dataclasses import asdict
+
+    if log_path:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    runtime = build_peer(cfg, task_cfg, gossip)
+    signal.signal(signal.SIGTERM, lambda *_: runtime.stop())
+    address = runtime.start()
+    first_round = runtime.node.round
+    print(f"murmura peer {cfg.identity()} listening on {address}", flush=True)
+    if events is not None:
+        events.put(("started", cfg.identity(), address))
+    stats = runtime.run()
+    print(f"peer {cfg.identity()}: {stats.rounds} rounds, {stats.sent} sent, "
+          f"{stats.received} received, {stats.send_failures} failed sends", flush=True)
+    if events is not None:
+        events.put(("done", cfg.identity(), asdict(stats), runtime.node.model, first_round))

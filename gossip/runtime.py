@@ -251,7 +251,7 @@ class PeerRuntime(PeerHandler):
                     break
                 self._arrived.wait(left)
             mixed = self.node.mix()
-            self.node.round = r + 1
+            self.node.advance(r)
             model = self.node.model.copy()
             view = len(self.node.view)
         self.stats.rounds += 1
