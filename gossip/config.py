@@ -23,7 +23,9 @@ class GossipConfig:
       simulator runs it, see docs/gossip.md).
     * ``rule``: the aggregation rule each peer applies to its neighbours' models (as deltas
       from its own), any name of the aggregation registry; ``sybil`` weights neighbours by
-      how dissimilar their histories are, the peer's own model staying at weight 1.
+      how dissimilar their histories are, the peer's own model staying at weight 1; peers
+      spread sketches of the models they received (``history_share`` per shuffle, at most
+      ``history_records`` kept), so clone identities meet in every peer's histories sooner.
     * ``view_size`` bounds the peer-sampling view; ``shuffle_size`` entries travel per shuffle.
     * ``round_timeout_s``: how long a peer waits for its neighbours' models before mixing what
       it has; ``min_messages`` 0 waits for the expected in-degree (ring, k-regular) or one
@@ -39,6 +41,8 @@ class GossipConfig:
     rule: str = "fedavg"
     rule_options: dict[str, str] = field(default_factory=dict)
     sybil: bool = False
+    history_share: int = 16        # sybil: history records offered per view shuffle...
+    history_records: int = 512     # ...and kept per peer (each one sketch of 512 floats)
     round_timeout_s: float = 2.0
     min_messages: int = 0
     max_round_lag: int = 10
@@ -70,6 +74,8 @@ class GossipConfig:
             raise ValueError("min_peers must be >= 1 and start_timeout_s >= 0")
         if self.min_messages < 0 or self.max_round_lag < 1:
             raise ValueError("min_messages must be >= 0 and max_round_lag >= 1")
+        if self.history_share < 0 or self.history_records < 1:
+            raise ValueError("history_share must be >= 0 and history_records >= 1")
         if self.sample_size < 1 or self.aggregators < 1:
             raise ValueError("sample_size and aggregators must be >= 1")
         self.settings()  # validates lr, epochs, batch size, momentum

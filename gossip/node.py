@@ -9,6 +9,7 @@ peer refuses, chooses and mixes exactly as a deployed one. Not thread-safe: its 
 from __future__ import annotations
 
 import logging
+import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,7 +58,10 @@ class PeerNode:
         self.fingerprint = spec.fingerprint()
         self.options = parse_options(config.rule_options)
         self.sybil = (SybilWeighting(spec.size, seed=config.seed, max_clients=max(
-            2, 4 * config.view_size)) if config.sybil else None)
+            2, 4 * config.view_size, config.history_records)) if config.sybil else None)
+        # sybil: sketches of models seen, first-hand or gossiped: (sender, round) -> sketch
+        self.records: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self._observed: set[tuple[str, int]] = set()
 
     # -- membership
 
@@ -156,6 +160,8 @@ class PeerNode:
             raise InvalidArgument(f"model has {model.size} values, expected {self.spec.size}")
         if not np.isfinite(model).all():
             raise InvalidArgument("model has non-finite values (NaN or infinity)")
+        if self.sybil is not None:
+            self._record(sender, round_, self.sybil.sketch(model))
         old = self.inbox.get(sender)
         if old is None or old.round <= round_:
             self.inbox[sender] = Received(sender, round_, model, num_examples)
@@ -174,11 +180,63 @@ class PeerNode:
                        key=lambda r: r.sender)
         self.inbox.clear()
         self.newest = max([self.newest, *(r.round for r in fresh)])
+        if self.sybil is not None:
+            self._observe_gossiped({r.sender for r in fresh})
         if fresh:
             self.model = mix(self.model, [(r.sender, r.model) for r in fresh],
                              rule=self.config.rule, options=self.options, owner=self.peer_id,
                              sybil=self.sybil)
         return len(fresh)
+
+    # -- Sybil histories spread by gossip (SybilWall-style)
+
+    def _record(self, sender: str, round_: int, sketch: np.ndarray) -> None:
+        self.records[(sender, round_)] = sketch
+        self.records.move_to_end((sender, round_))
+        while len(self.records) > self.config.history_records:
+            key, _ = self.records.popitem(last=False)
+            self._observed.discard(key)
+
+    def history_offer(self, rng: random.Random) -> list[tuple[str, int, np.ndarray]]:
+        """Up to ``history_share`` random recent records (model sketches) for a shuffle
+        partner: bounded in count, so in bytes (each is 512 floats)."""
+        if self.sybil is None or not self.config.history_share:
+            return []
+        recent = [k for k in self.records if k[1] >= self.round - 2]
+        chosen = rng.sample(recent, min(self.config.history_share, len(recent)))
+        return [(s, r, self.records[(s, r)]) for s, r in chosen]
+
+    def take_history(self, records: Sequence[tuple[str, int, np.ndarray]]) -> int:
+        """Keep gossiped records (malformed ones and ones about this peer are dropped);
+        returns how many were new."""
+        if self.sybil is None:
+            return 0
+        taken = 0
+        for sender, round_, sketch in records[: self.config.history_share]:
+            sketch = np.asarray(sketch, dtype=np.float64)
+            if (sender == self.peer_id or (sender, round_) in self.records
+                    or sketch.shape != (self.sybil.dim,) or not np.isfinite(sketch).all()):
+                continue
+            self._record(sender, round_, sketch)
+            taken += 1
+        return taken
+
+    def _observe_gossiped(self, direct: set[str]) -> None:
+        """Add gossiped records of recent rounds to the senders' histories, as deltas from
+        this peer's own model (sketches are linear: sketch(m - own) = sketch(m) - sketch(own));
+        direct senders' models enter through :func:`mix` itself."""
+        assert self.sybil is not None
+        own = self.sybil.sketch(self.model)
+        for key, sketch in self.records.items():
+            sender, round_ = key
+            if key in self._observed or sender in direct or round_ < self.round - 2:
+                continue
+            self._observed.add(key)
+            self.sybil.observe(sender, sketch - own)
+        for sender in direct:
+            for key in self.records:
+                if key[0] == sender:
+                    self._observed.add(key)
 
     def advance(self, round_: int) -> int:
         """After mixing in ``round_``: the next round. A peer that fell behind (a slow device,

@@ -26,7 +26,7 @@ from murmura.gossip.config import GossipConfig
 from murmura.gossip.errors import FailedPrecondition, InvalidArgument, Unavailable, short
 from murmura.gossip.identity import AddressBinding, Verifier
 from murmura.gossip.node import PeerNode, training_seed
-from murmura.gossip.transport import Health, PeerHandler, PeerTransport
+from murmura.gossip.transport import Health, HistoryRecord, PeerHandler, PeerTransport
 from murmura.protocols import (
     CodecError,
     FlatVector,
@@ -88,6 +88,9 @@ class PeerRuntime(PeerHandler):
                  num_peers: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         self.transport, self.trainer, self.peer_id = transport, trainer, peer_id
         self.config = config or GossipConfig()
+        if self.config.topology == "modest":
+            raise ValueError("topology 'modest' runs in the simulator only (murmura simulate "
+                             "--gossip); deployed peers use epidemic, ring or k-regular")
         self.settings = self.config.settings()
         self.bootstrap = [b for b in bootstrap if b]
         self.catch_up = catch_up
@@ -179,7 +182,7 @@ class PeerRuntime(PeerHandler):
         while not joined:
             for address in self.bootstrap:
                 try:
-                    sender, peers = self.transport.exchange(
+                    sender, peers, _ = self.transport.exchange(
                         address, self.node.me(), [], self.node.fingerprint)
                 except RemoteError as exc:
                     if not exc.retryable:
@@ -307,9 +310,10 @@ class PeerRuntime(PeerHandler):
             if partner is None:
                 return
             me = self.node.me()
+            history = self.node.history_offer(self._rand)
         try:
-            sender, peers = self.transport.exchange(partner.address, me, offer,
-                                                    self.node.fingerprint)
+            sender, peers, theirs = self.transport.exchange(partner.address, me, offer,
+                                                            self.node.fingerprint, history)
         except RemoteError as exc:
             if exc.retryable:
                 self._mark_dead(partner.peer_id, partner.address)
@@ -317,6 +321,7 @@ class PeerRuntime(PeerHandler):
         with self._lock:
             self.node.heard_from(PeerInfo(sender.peer_id, partner.address, sender.round, 0))
             self.node.merge(peers)
+            self.node.take_history(theirs)
 
     def _alive(self, peer_id: str, address: str) -> bool:
         try:
@@ -327,13 +332,17 @@ class PeerRuntime(PeerHandler):
     # -- PeerHandler: what this peer answers (runs on the server's threads)
 
     def on_exchange(self, sender: PeerInfo, peers: Sequence[PeerInfo], fingerprint: str,
-                    signature: bytes) -> tuple[PeerInfo, list[PeerInfo]]:
+                    signature: bytes, history: Sequence[HistoryRecord] = ()
+                    ) -> tuple[PeerInfo, list[PeerInfo], list[HistoryRecord]]:
         if fingerprint != self.node.fingerprint:
             raise FailedPrecondition(f"model spec {short(fingerprint, 24)} differs from this "
                                      f"peer's {self.node.fingerprint}")
         self.identity.check(sender.peer_id, sender.address, signature=signature)
         with self._lock:
-            return self.node.me(), self.node.shuffle_answer(sender, peers)
+            reply = self.node.shuffle_answer(sender, peers)
+            mine = self.node.history_offer(self._rand)
+            self.node.take_history(history)
+            return self.node.me(), reply, mine
 
     def check_header(self, header: PeerModelHeader) -> int:
         self.identity.check(header.sender.peer_id, header.sender.address,

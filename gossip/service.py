@@ -55,17 +55,20 @@ class PeerServicer:
 
     def Exchange(self, request: pb.PeerExchange, context: grpc.ServicerContext) -> Any:
         try:
-            if len(request.peers) > 1024:
-                raise InvalidArgument(f"an exchange carries at most 1024 peers, got "
-                                      f"{len(request.peers)}")
-            me, peers = self.handler.on_exchange(
+            if len(request.peers) > 1024 or len(request.history) > 1024:
+                raise InvalidArgument(f"an exchange carries at most 1024 peers and 1024 "
+                                      f"history records, got {len(request.peers)} and "
+                                      f"{len(request.history)}")
+            me, peers, history = self.handler.on_exchange(
                 serde.peer_info_from_proto(request.sender),
                 [serde.peer_info_from_proto(p) for p in request.peers],
-                request.spec_fingerprint, request.signature)
+                request.spec_fingerprint, request.signature,
+                serde.history_from_proto(request.history))
         except GossipError as exc:
             _abort(context, exc)
         return pb.PeerExchange(sender=serde.peer_info_to_proto(me),
-                               peers=[serde.peer_info_to_proto(p) for p in peers])
+                               peers=[serde.peer_info_to_proto(p) for p in peers],
+                               history=serde.history_to_proto(history))
 
     def PushModel(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
         try:

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -21,7 +22,10 @@ from murmura.protocols import FlatVector, ModelSpec, PeerInfo, PeerModelHeader, 
 from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols import murmura_pb2_grpc as pb_grpc
 
-__all__ = ["GrpcPeerTransport", "Health", "PeerHandler", "PeerTransport"]
+__all__ = ["GrpcPeerTransport", "Health", "HistoryRecord", "PeerHandler", "PeerTransport"]
+
+#: (peer id, round, sketch): a sketch of a model some peer received (Sybil history gossip).
+HistoryRecord = tuple[str, int, Any]
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,8 @@ class PeerHandler(ABC):
 
     @abstractmethod
     def on_exchange(self, sender: PeerInfo, peers: Sequence[PeerInfo], fingerprint: str,
-                    signature: bytes) -> tuple[PeerInfo, list[PeerInfo]]: ...
+                    signature: bytes, history: Sequence[HistoryRecord] = ()
+                    ) -> tuple[PeerInfo, list[PeerInfo], list[HistoryRecord]]: ...
 
     @abstractmethod
     def on_model(self, header: PeerModelHeader, payload: bytes | memoryview
@@ -66,8 +71,10 @@ class PeerTransport(ABC):
     def stop(self) -> None: ...
 
     @abstractmethod
-    def exchange(self, address: str, me: PeerInfo, peers: Sequence[PeerInfo], fingerprint: str
-                 ) -> tuple[PeerInfo, list[PeerInfo]]: ...
+    def exchange(self, address: str, me: PeerInfo, peers: Sequence[PeerInfo], fingerprint: str,
+                 history: Sequence[HistoryRecord] = ()
+                 ) -> tuple[PeerInfo, list[PeerInfo], list[HistoryRecord]]:
+        """A view shuffle: (the partner's entry, entries of its view, its history records)."""
 
     @abstractmethod
     def push_model(self, address: str, header: PeerModelHeader, payload: bytes) -> bool:
@@ -163,19 +170,23 @@ class GrpcPeerTransport(PeerTransport):
         details = exc.details() if hasattr(exc, "details") else str(exc)
         return RemoteError(code.name if code else "UNKNOWN", details or "")
 
-    def exchange(self, address: str, me: PeerInfo, peers: Sequence[PeerInfo], fingerprint: str
-                 ) -> tuple[PeerInfo, list[PeerInfo]]:
+    def exchange(self, address: str, me: PeerInfo, peers: Sequence[PeerInfo], fingerprint: str,
+                 history: Sequence[HistoryRecord] = ()
+                 ) -> tuple[PeerInfo, list[PeerInfo], list[HistoryRecord]]:
         stub, _, _ = self._conn(address)
         req = pb.PeerExchange(sender=serde.peer_info_to_proto(me),
                               peers=[serde.peer_info_to_proto(p) for p in peers],
-                              spec_fingerprint=fingerprint)
+                              spec_fingerprint=fingerprint,
+                              history=serde.history_to_proto(history))
         try:
             reply = stub.Exchange(req, timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise self._wrap(exc) from None
-        self._bytes_sent += req.ByteSize()
+        with self._lock:
+            self._bytes_sent += req.ByteSize()
         return (serde.peer_info_from_proto(reply.sender),
-                [serde.peer_info_from_proto(p) for p in reply.peers])
+                [serde.peer_info_from_proto(p) for p in reply.peers],
+                serde.history_from_proto(reply.history))
 
     def push_model(self, address: str, header: PeerModelHeader, payload: bytes) -> bool:
         _, push, _ = self._conn(address)
@@ -184,8 +195,10 @@ class GrpcPeerTransport(PeerTransport):
             reply = push(iter(items), timeout=self.timeout_s)  # type: ignore[operator]
         except grpc.RpcError as exc:
             raise self._wrap(exc) from None
-        self._bytes_sent += items[0].ByteSize() + sum(  # type: ignore[union-attr]
+        sent = items[0].ByteSize() + sum(  # type: ignore[union-attr]
             serde.data_chunk_wire_bytes(len(c)) for c in items[1:])  # type: ignore[arg-type]
+        with self._lock:
+            self._bytes_sent += sent
         return not reply.duplicate
 
     def pull_model(self, address: str, peer_id: str) -> tuple[int, FlatVector]:

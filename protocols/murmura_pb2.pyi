@@ -243,16 +243,28 @@ class PeerInfo(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., round: _Optional[int] = ..., age: _Optional[int] = ...) -> None: ...
 
 class PeerExchange(_message.Message):
-    __slots__ = ("sender", "peers", "spec_fingerprint", "signature")
+    __slots__ = ("sender", "peers", "spec_fingerprint", "signature", "history")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
     sender: PeerInfo
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     spec_fingerprint: str
     signature: bytes
-    def __init__(self, sender: _Optional[_Union[PeerInfo, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., spec_fingerprint: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    history: _containers.RepeatedCompositeFieldContainer[HistoryRecord]
+    def __init__(self, sender: _Optional[_Union[PeerInfo, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., spec_fingerprint: _Optional[str] = ..., signature: _Optional[bytes] = ..., history: _Optional[_Iterable[_Union[HistoryRecord, _Mapping]]] = ...) -> None: ...
+
+class HistoryRecord(_message.Message):
+    __slots__ = ("peer_id", "round", "sketch")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    round: int
+    sketch: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., sketch: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PeerModelHeader(_message.Message):
     __slots__ = ("sender", "message_id", "round", "num_examples", "codec", "payload_bytes", "spec_fingerprint", "signature")

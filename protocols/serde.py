@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols.messages import (
@@ -238,6 +239,16 @@ def peer_info_to_proto(p: PeerInfo) -> pb.PeerInfo:
 
 def peer_info_from_proto(m: pb.PeerInfo) -> PeerInfo:
     return PeerInfo(peer_id=m.peer_id, address=m.address, round=m.round, age=m.age)
+
+
+def history_to_proto(records: Sequence[tuple[str, int, Any]]) -> list[pb.HistoryRecord]:
+    """``(peer_id, round, sketch)`` records for a PeerExchange."""
+    return [pb.HistoryRecord(peer_id=p, round=r, sketch=[float(v) for v in sk])
+            for p, r, sk in records]
+
+
+def history_from_proto(records: Sequence[pb.HistoryRecord]) -> list[tuple[str, int, list[float]]]:
+    return [(m.peer_id, m.round, list(m.sketch)) for m in records]
 
 
 def peer_model_header_to_proto(h: PeerModelHeader) -> pb.PeerModelHeader:
