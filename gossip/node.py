@@ -51,7 +51,9 @@ class PeerNode:
         self.round = 0
         self.view = PeerView(peer_id, config.view_size, seed=config.seed)
         self.num_peers = num_peers  # the run's size when known (Epidemic's s = log2 n)
-        self.inbox: dict[str, Received] = {}
+        # sender -> round -> model: a neighbour that runs ahead may send its next round's model
+        # before this peer has mixed the current one; it is kept for that round
+        self.inbox: dict[str, dict[int, Received]] = {}
         self.dead: dict[str, str] = {}  # peer id -> address found unreachable
         self.newest = 0  # the highest round of any model mixed in
         self._seen: OrderedDict[str, None] = OrderedDict()
@@ -126,7 +128,7 @@ class PeerNode:
 
     def ready(self, round_: int) -> int:
         """How many inbox models count for mixing at ``round_``."""
-        return sum(1 for r in self.inbox.values() if r.round >= round_)
+        return sum(1 for rounds in self.inbox.values() if max(rounds) >= round_)
 
     # -- incoming
 
@@ -150,7 +152,7 @@ class PeerNode:
         """Take a neighbour's model into the inbox; False for a duplicate message id.
 
         Raises a :class:`~murmura.gossip.errors.GossipError` (and changes nothing) for a bad
-        model. A sender's newer model replaces its older one in the inbox.
+        model. At most ``max_round_lag`` + 1 rounds are kept per sender (the newest).
         """
         self.check_model(sender, round_, num_examples,
                          self.fingerprint if fingerprint is None else fingerprint)
@@ -162,9 +164,10 @@ class PeerNode:
             raise InvalidArgument("model has non-finite values (NaN or infinity)")
         if self.sybil is not None:
             self._record(sender, round_, self.sybil.sketch(model))
-        old = self.inbox.get(sender)
-        if old is None or old.round <= round_:
-            self.inbox[sender] = Received(sender, round_, model, num_examples)
+        rounds = self.inbox.setdefault(sender, {})
+        rounds[round_] = Received(sender, round_, model, num_examples)
+        while len(rounds) > self.config.max_round_lag + 1:
+            del rounds[min(rounds)]
         if message_id:
             self._seen[message_id] = None
             while len(self._seen) > SEEN_IDS:
@@ -174,19 +177,34 @@ class PeerNode:
     # -- mixing
 
     def mix(self) -> int:
-        """Mix the inbox into the model (senders in id order); return how many were mixed."""
-        fresh = sorted((r for r in self.inbox.values()
-                        if r.round >= self.round - self.config.max_round_lag),
-                       key=lambda r: r.sender)
-        self.inbox.clear()
-        self.newest = max([self.newest, *(r.round for r in fresh)])
+        """Mix the inbox into the model (senders in id order); return how many were mixed.
+
+        Per sender: its model of this round if there is one, else its newest older one
+        (within ``max_round_lag``), else its earliest newer one. Models of later rounds than
+        the one used stay in the inbox for those rounds; older ones are dropped.
+        """
+        chosen: list[Received] = []
+        for sender in sorted(self.inbox):
+            rounds = self.inbox[sender]
+            usable = [r for r in rounds if r >= self.round - self.config.max_round_lag]
+            if not usable:
+                del self.inbox[sender]
+                continue
+            older = [r for r in usable if r <= self.round]
+            pick = max(older) if older else min(usable)
+            chosen.append(rounds[pick])
+            for r in [r for r in rounds if r <= pick]:
+                del rounds[r]
+            if not rounds:
+                del self.inbox[sender]
+        self.newest = max([self.newest, *(r.round for r in chosen)])
         if self.sybil is not None:
-            self._observe_gossiped({r.sender for r in fresh})
-        if fresh:
-            self.model = mix(self.model, [(r.sender, r.model) for r in fresh],
+            self._observe_gossiped({r.sender for r in chosen})
+        if chosen:
+            self.model = mix(self.model, [(r.sender, r.model) for r in chosen],
                              rule=self.config.rule, options=self.options, owner=self.peer_id,
                              sybil=self.sybil)
-        return len(fresh)
+        return len(chosen)
 
     # -- Sybil histories spread by gossip (SybilWall-style)
 

@@ -161,7 +161,9 @@ class PeerRuntime(PeerHandler):
         return self.stats
 
     def close(self) -> None:
-        """Goodbye to the view (best effort), then stop serving and sending."""
+        """Finish the last round's sends, say goodbye to the view (best effort), then stop
+        serving."""
+        self._sender.shutdown(wait=True)  # a send gives up after its retry budget
         with self._lock:
             me, entries = self.node.me(), self.node.view.entries()
         for e in entries:
@@ -169,7 +171,6 @@ class PeerRuntime(PeerHandler):
                 self.transport.goodbye(e.address, me)
             except RemoteError:
                 pass
-        self._sender.shutdown(wait=True, cancel_futures=True)
         self.transport.stop()
 
     # -- joining

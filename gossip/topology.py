@@ -103,6 +103,7 @@ def expected_senders(topology: str, peer: str, members: Sequence[str], *, degree
     if topology == "ring":
         return 1 if len(set(members) - {peer}) >= 1 else 0
     if topology == "k-regular":
-        return len([p for p in set(members) - {peer}
-                    if peer in k_regular_targets(p, members, degree)])
+        everyone = sorted(set(members) | {peer})
+        return len([p for p in everyone
+                    if p != peer and peer in k_regular_targets(p, everyone, degree)])
     return 1
