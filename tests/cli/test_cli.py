@@ -15,7 +15,7 @@ from murmura.cli import build_parser, main
 from murmura.config import build, read_toml
 from murmura.server import ServerConfig
 
-SUBCOMMANDS = ["run", "server", "client"]
+SUBCOMMANDS = ["run", "server", "client", "peer", "simulate"]
 
 
 @pytest.mark.parametrize("sub", SUBCOMMANDS)
@@ -73,6 +73,27 @@ def test_murmura_run_end_to_end_with_client_processes(tmp_path) -> None:
     assert summary["versions"] == 4 and summary["config"]["run"]["clients"] == 3
     assert (out / "accuracy.png").stat().st_size > 1000
     assert len(list((out / "clients").glob("client-*.log"))) == 3
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_murmura_run_gossip_writes_one_row_per_round_over_peers(tmp_path) -> None:
+    out = tmp_path / "gossip"
+    proc = subprocess.run(
+        [sys.executable, "-m", "murmura", "run", "--gossip", "--clients", "3", "--rounds", "3",
+         "--out", str(out), "--local-epochs", "1"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "final mean test accuracy" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["peers"] == 3 and row["bytes_up"] > 0 and row["consensus_distance"] > 0
+        assert row["accuracy_min"] <= row["accuracy"] <= row["accuracy_max"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 3 and summary["config"]["gossip"]["topology"] == "epidemic"
+    assert (out / "accuracy.png").stat().st_size > 1000
+    assert not list((out / "peers").glob("*.npy"))  # read and cleaned up
 
 
 @pytest.mark.integration
