@@ -72,3 +72,22 @@ def test_sybil_weighting_mutes_clones_and_keeps_own_weight_one(rng: np.random.Ge
     np.testing.assert_allclose(out, np.mean([own, *honest], axis=0), atol=1e-5)
     plain = mix(own, received)
     assert np.linalg.norm(plain - attack) < np.linalg.norm(out - attack)
+
+
+def test_history_gossip_is_bounded_and_drops_malformed_records() -> None:
+    import random
+
+    sender = node(sybil=True, history_share=4, history_records=6)
+    for i in range(10):
+        sender.receive(f"p{i}", 0, f"m{i}", np.full(8, float(i), np.float32))
+    assert len(sender.records) == 6  # oldest dropped
+
+    offer = sender.history_offer(random.Random(0))
+    assert len(offer) == 4
+    receiver = PeerNode("other", SPEC, GossipConfig(sybil=True, history_share=4),
+                        np.zeros(8, np.float32))
+    dim = receiver.sybil.dim  # type: ignore[union-attr]
+    bad = [("other", 0, np.ones(dim)), ("x", 0, np.ones(3)), ("y", 0, np.full(dim, np.nan))]
+    assert receiver.take_history(bad) == 0
+    assert receiver.take_history(offer) == 4
+    assert receiver.take_history(offer) == 0  # already known

@@ -102,7 +102,7 @@ def _distance(models: list[np.ndarray]) -> float:
 
 
 def test_five_peer_processes_converge(peers: Peers) -> None:
-    gossip = GossipConfig(rounds=20, min_peers=5, round_timeout_s=1.0)
+    gossip = GossipConfig(rounds=15, min_peers=5, round_timeout_s=1.0)
     first = peers.start(0, 5, gossip)
     for i in range(1, 5):
         peers.start(i, 5, gossip, first)
@@ -115,12 +115,12 @@ def test_five_peer_processes_converge(peers: Peers) -> None:
     assert _distance(models) < 0.2
     for peer, (stats, _, _) in peers.done.items():
         last = json.loads((peers.report / f"{peer}.jsonl").read_text().splitlines()[-1])
-        assert last["round"] == 19 and stats["received"] > 0  # a slow peer may skip rounds
+        assert last["round"] == 14 and stats["received"] > 0  # a slow peer may skip rounds
 
 
 def test_killing_half_leaves_the_rest_converging_and_a_restarted_peer_rejoins(
         peers: Peers) -> None:
-    gossip = GossipConfig(rounds=40, min_peers=6, round_timeout_s=1.0)
+    gossip = GossipConfig(rounds=30, min_peers=6, round_timeout_s=1.0)
     first = peers.start(0, 6, gossip)
     for i in range(1, 6):
         peers.start(i, 6, gossip, first)
