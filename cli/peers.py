@@ -110,13 +110,16 @@ class GossipRun:
                     self.rows[p][int(row["round"])] = row
 
     def complete(self, alive: set[str]) -> list[dict[str, Any]]:
-        """Rows for every round that each live peer has reported (dead peers don't hold a
-        round up); the peers' model files of those rounds are deleted once read."""
+        """Rows for every round that each live peer has reported or jumped past (dead peers
+        don't hold a round up); the peers' model files of those rounds are deleted once
+        read."""
         out = []
         while True:
             r = self.next_round
             have = {p for p in self.peers if r in self.rows[p]}
-            if not have or not alive <= have:
+            # a peer that jumped past round r (it fell behind) never reports it
+            passed = {p for p in self.peers if self.rows[p] and max(self.rows[p]) >= r}
+            if not have or not alive <= passed:
                 return out
             rows, models = [], []
             for p in sorted(have):

@@ -291,7 +291,7 @@ class PeerRuntime(PeerHandler):
                         log.warning("%s refused our model: %s", target, exc)
                     return
                 self.stats.retries += 1
-                time.sleep(delay * (1 + 0.2 * (2 * self._rand.random() - 1)))
+                self._stop.wait(delay * (1 + 0.2 * (2 * self._rand.random() - 1)))
                 delay = min(delay * self.retry.multiplier, self.retry.max_s)
 
     def _mark_dead(self, peer_id: str, address: str) -> None:

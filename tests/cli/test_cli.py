@@ -126,3 +126,18 @@ def test_run_in_process_resumes_nothing_and_writes_outputs(tmp_path, capsys) -> 
     assert "final test accuracy" in capsys.readouterr().out
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     assert Path(out / "checkpoint.npz").exists()
+
+
+def test_gossip_rows_do_not_wait_for_a_round_a_peer_jumped_past(tmp_path) -> None:
+    from murmura.peers import GossipRun
+
+    (tmp_path / "a.jsonl").write_text("".join(
+        json.dumps({"round": r, "accuracy": 0.5, "bytes_sent": 10}) + "\n" for r in range(3)))
+    (tmp_path / "b.jsonl").write_text(json.dumps({"round": 2, "accuracy": 0.7}) + "\n")
+    follow = GossipRun(tmp_path, ["a", "b"])
+    follow.poll()
+
+    rows = follow.complete({"a", "b"})
+
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert rows[0]["peers"] == 1 and rows[2]["peers"] == 2 and rows[2]["accuracy"] == 0.6
