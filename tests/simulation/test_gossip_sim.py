@@ -23,24 +23,18 @@ def _run(n: int, cfg: GossipConfig, **kw: object):  # noqa: ANN202
 
 
 def test_epidemic_peers_learn_send_s_models_a_round_and_rerun_identically(
-        one_torch_thread) -> None:
+        tmp_path, one_torch_thread) -> None:
     cfg = GossipConfig(rounds=6, local_epochs=2)
-    a, b = _run(16, cfg), _run(16, cfg)
+    a, b = _run(16, cfg, out_dir=tmp_path), _run(16, cfg)
 
     accs = [r["accuracy"] for r in a.rows]
     assert accs[-1] > accs[0] + 0.2 and accs[-1] > 0.6
     s = math.ceil(math.log2(16))
     assert a.bytes_per_peer_round == s * a.summary["push_bytes"]
     np.testing.assert_array_equal(a.models, b.models)
-
-
-def test_simulate_writes_the_run_outputs(tmp_path, one_torch_thread) -> None:
-    result = _run(8, GossipConfig(rounds=2), out_dir=tmp_path)
-
-    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert len(rows) == 2 and '"consensus_distance"' in rows[0]
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()  # the run's outputs
+    assert len(rows) == 6 and '"consensus_distance"' in rows[0]
     assert (tmp_path / "summary.json").exists() and (tmp_path / "accuracy.png").exists()
-    assert result.summary["rounds"] == 2
 
 
 def test_modest_recovers_after_most_peers_crash(one_torch_thread) -> None:
