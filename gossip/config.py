@@ -27,6 +27,12 @@ class GossipConfig:
       spread sketches of the models they received (``history_share`` per shuffle, at most
       ``history_records`` kept), so clone identities meet in every peer's histories sooner.
     * ``view_size`` bounds the peer-sampling view; ``shuffle_size`` entries travel per shuffle.
+    * ``seed_mode`` ("Just One Byte", Zelikman et al. 2023,
+      https://arxiv.org/abs/2306.05374): peers train zeroth-order and send their step logs
+      (codec ``seed``: a seed and a scalar per step) instead of models; receivers replay them
+      bit-exactly on the round's base model and average the updates in peer-id order, so
+      peers that start a round from the same model and hear from the same peers end it with
+      bit-identical models (k-regular with ``degree`` = n - 1 keeps every peer identical).
     * ``round_timeout_s``: how long a peer waits for its neighbours' models before mixing what
       it has; ``min_messages`` 0 waits for the expected in-degree (ring, k-regular) or one
       message (epidemic).
@@ -55,6 +61,9 @@ class GossipConfig:
     batch_size: int = 16
     momentum: float = 0.5
     seed: int = 0
+    # seed mode: zeroth-order training; peers send (seed, scalar) step logs, not models
+    seed_mode: bool = False
+    zo_eps: float = 1e-3
     # MoDeST-style sampling (topology 'modest')
     sample_size: int = 10
     aggregators: int = 3
@@ -82,6 +91,10 @@ class GossipConfig:
 
     def settings(self) -> TaskSettings:
         """Local training settings (what a server would send at join)."""
+        if self.seed_mode:
+            return TaskSettings(trainer="zo", codec="seed", local_epochs=self.local_epochs,
+                                local_steps=self.local_steps, batch_size=self.batch_size,
+                                lr=self.lr, momentum=0.0, seed=self.seed, zo_eps=self.zo_eps)
         return TaskSettings(trainer="sgd", local_epochs=self.local_epochs,
                             local_steps=self.local_steps, batch_size=self.batch_size, lr=self.lr,
                             momentum=self.momentum, seed=self.seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
+    "Aborted",
     "FailedPrecondition",
     "GossipError",
     "InvalidArgument",
@@ -41,6 +42,13 @@ class PermissionDenied(GossipError):
 
 class ResourceExhausted(GossipError):
     status = "RESOURCE_EXHAUSTED"
+
+
+class Aborted(GossipError):
+    """Not now: the sender should retry after a pause (e.g. a step log for a round the
+    receiver has not started)."""
+
+    status = "ABORTED"
 
 
 class Unavailable(GossipError):

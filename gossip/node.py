@@ -18,7 +18,7 @@ import numpy as np
 
 from murmura.aggregation import SybilWeighting
 from murmura.gossip.config import GossipConfig
-from murmura.gossip.errors import FailedPrecondition, InvalidArgument, short
+from murmura.gossip.errors import Aborted, FailedPrecondition, InvalidArgument, short
 from murmura.gossip.mixing import mix, parse_options
 from murmura.gossip.topology import expected_senders, stable_hash, targets
 from murmura.gossip.view import PeerView
@@ -56,6 +56,10 @@ class PeerNode:
         self.inbox: dict[str, dict[int, Received]] = {}
         self.dead: dict[str, str] = {}  # peer id -> address found unreachable
         self.newest = 0  # the highest round of any model mixed in
+        # seed mode: the model each recent round started from (replay references), and this
+        # peer's own update of the current round
+        self.bases: OrderedDict[int, FlatVector] = OrderedDict()
+        self.own_update: FlatVector | None = None
         self._seen: OrderedDict[str, None] = OrderedDict()
         self.fingerprint = spec.fingerprint()
         self.options = parse_options(config.rule_options)
@@ -200,11 +204,43 @@ class PeerNode:
         self.newest = max([self.newest, *(r.round for r in chosen)])
         if self.sybil is not None:
             self._observe_gossiped({r.sender for r in chosen})
-        if chosen:
+        if self.config.seed_mode:
+            self._mix_updates(chosen)
+        elif chosen:
             self.model = mix(self.model, [(r.sender, r.model) for r in chosen],
                              rule=self.config.rule, options=self.options, owner=self.peer_id,
                              sybil=self.sybil)
         return len(chosen)
+
+    # -- seed mode
+
+    def start_round(self, round_: int) -> None:
+        """Remember the model ``round_`` starts from: received step logs replay onto it."""
+        self.bases[round_] = self.model.copy()
+        while len(self.bases) > self.config.max_round_lag + 1:
+            self.bases.popitem(last=False)
+
+    def base(self, round_: int) -> FlatVector:
+        base = self.bases.get(round_)
+        if base is None:
+            raise Aborted(f"no base model for round {round_} yet or any more (this peer keeps "
+                                     f"rounds {min(self.bases, default=0)}.."
+                                     f"{max(self.bases, default=0)})")
+        return base
+
+    def _mix_updates(self, chosen: Sequence[Received]) -> None:
+        """Seed mode: base + the mean of every update (own included), summed in peer-id
+        order, so peers with the same base and the same senders agree bit for bit."""
+        assert self.own_update is not None, "seed mode: set own_update before mixing"
+        updates = sorted([(self.peer_id, self.own_update), *((r.sender, r.model)
+                                                              for r in chosen)],
+                         key=lambda pair: pair[0])
+        total = np.zeros_like(self.own_update)
+        for _, u in updates:
+            total += u
+        self.model = (self.base(self.round) + total / np.float32(len(updates))
+                      ).astype(np.float32)
+        self.own_update = None
 
     # -- Sybil histories spread by gossip (SybilWall-style)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from murmura.client import RetryPolicy, TorchTrainer
+from murmura.client import RetryPolicy, TorchTrainer, ZOTrainer
 from murmura.client.malicious import make_attack
 from murmura.gossip.config import GossipConfig, PeerConfig
 from murmura.gossip.runtime import PeerRuntime, PeerStats, RoundReport
@@ -42,7 +42,9 @@ def build_peer(cfg: PeerConfig, task_cfg: TaskConfig, gossip: GossipConfig, *,
     if attack.data is not None:
         data = attack.data(data)
     model = task.build_model(seed=gossip.seed)  # every peer starts from the same model
-    trainer = TorchTrainer(model, data, device=cfg.device)
+    trainer: TorchTrainer | ZOTrainer = (ZOTrainer(model, data, device=cfg.device)
+                                         if gossip.seed_mode
+                                         else TorchTrainer(model, data, device=cfg.device))
     start = trainer.spec.flatten(trainer.model)
     eval_model = task.build_model(seed=gossip.seed)
     report = Path(cfg.report) if cfg.report else None

@@ -226,27 +226,38 @@ class PeerRuntime(PeerHandler):
 
     def step(self) -> RoundReport:
         """Train, send to this round's targets, wait for neighbours, mix, shuffle."""
+        seed_mode = self.config.seed_mode
         with self._lock:
             r = self.node.round
             base = self.node.model.copy()
+            if seed_mode:
+                self.node.start_round(r)
             self._training = True
         result = self.trainer.train(base, self.settings,
                                     seed=training_seed(self.config.seed, self.peer_id, r))
         assert result.params is not None, "gossip peers need trainers that return models"
         new = result.params
-        if self.update_hook is not None:
+        codec, payload = "dense-f32", b""
+        if seed_mode:
+            if result.encoded is None or result.encoded[0] != "seed":
+                raise ValueError("seed mode needs the zeroth-order trainer (ZOTrainer)")
+            codec, payload = result.encoded
+        elif self.update_hook is not None:
             new = (base + self.update_hook(np.subtract(new, base, dtype=np.float32))
                    ).astype(np.float32)
         with self._lock:
             self._training = False
             self.node.model = new
+            if seed_mode:  # the same arithmetic as a receiver's replay: bit-identical
+                self.node.own_update = np.subtract(new, base, dtype=np.float32)
             targets = [(t, self.node.view.get(t)) for t in self.node.targets(r)]
             me = self.node.me()
-        payload = new.tobytes()
+        if not seed_mode:
+            payload = new.tobytes()
         for target, entry in targets:
             if entry is not None:
                 self._sender.submit(self._send, target, entry.address, me, r, payload,
-                                    result.num_examples)
+                                    result.num_examples, codec)
         deadline = self.clock() + self.config.round_timeout_s
         with self._arrived:
             while not self._stop.is_set() and self.node.ready(r) < self.node.expected():
@@ -269,9 +280,9 @@ class PeerRuntime(PeerHandler):
         return report
 
     def _send(self, target: str, address: str, me: PeerInfo, round_: int, payload: bytes,
-              num_examples: int) -> None:
+              num_examples: int, codec: str = "dense-f32") -> None:
         header = PeerModelHeader(sender=me, message_id=secrets.token_urlsafe(9), round=round_,
-                                 num_examples=num_examples, codec="dense-f32",
+                                 num_examples=num_examples, codec=codec,
                                  payload_bytes=len(payload),
                                  spec_fingerprint=self.node.fingerprint)
         delay, started = self.retry.initial_s, self.clock()
@@ -352,9 +363,13 @@ class PeerRuntime(PeerHandler):
             codec = create_codec(header.codec)
         except (UnknownCodecError, CodecError):
             raise InvalidArgument(f"unknown codec {short(header.codec)}") from None
-        if codec.needs_reference:
-            raise InvalidArgument(f"codec {header.codec!r} needs a reference model; peers send "
-                                  f"whole models")
+        if codec.needs_reference and not (self.config.seed_mode and header.codec == "seed"):
+            raise InvalidArgument(f"codec {header.codec!r} needs a reference model; this peer "
+                                  f"takes whole models" + ("" if self.config.seed_mode
+                                                          else " (seed mode is off)"))
+        if self.config.seed_mode and header.codec != "seed":
+            raise InvalidArgument(f"this peer runs seed mode and takes codec 'seed' only, got "
+                                  f"{short(header.codec)}")
         with self._lock:
             self.node.check_model(header.sender.peer_id, header.round, header.num_examples,
                                   header.spec_fingerprint)
@@ -362,7 +377,13 @@ class PeerRuntime(PeerHandler):
 
     def on_model(self, header: PeerModelHeader, payload: bytes | memoryview) -> tuple[bool, int]:
         try:
-            model = create_codec(header.codec).decode(payload, self.spec.size)
+            codec = create_codec(header.codec)
+            if codec.needs_reference:  # seed mode: replay the step log on the round's base
+                with self._lock:
+                    reference = self.node.base(header.round)
+                model = codec.decode(payload, self.spec.size, reference=reference)
+            else:
+                model = codec.decode(payload, self.spec.size)
         except CodecError as exc:
             raise InvalidArgument(f"model payload does not decode: {str(exc)[:80]}") from None
         with self._arrived:

@@ -148,6 +148,9 @@ class GossipSimulation:
                  progress: Callable[[dict[str, Any]], None] | None = None,
                  attacks: Mapping[int, Attack] | None = None, sybils: SybilFlood | None = None,
                  attack_pair: tuple[int, int] | None = None, eval_every: int = 1) -> None:
+        if gossip.seed_mode:
+            raise ValueError("seed mode runs on real peers only for now (murmura run --gossip "
+                             "--seed-mode); the simulator trains first-order")
         self.task_config, self.gossip, self.sim = task, gossip, sim
         self.failures = failures or GossipFailures()
         n = sim.clients
