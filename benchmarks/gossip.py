@@ -19,7 +19,8 @@ and Sybil floods, on the simulator; and real peers on loopback.
   sketches of the models they received (16 records of 512 floats per view shuffle). Attack
   success is the share of test 1s that honest peers' models read as 7 (mean over honest
   peers, last 3 rounds), with the SybilWall-style weighting (``sybil = true``) and without.
-* **Real peers**: ``murmura run --gossip --clients 10`` on loopback gRPC.
+* **Real peers**: ``murmura run --gossip --clients 10`` on loopback gRPC, exchanging models,
+  and in seed mode (zeroth-order training; peers exchange (seed, scalar) step logs).
 
 Run: ``python benchmarks/gossip.py [--quick]``.
 """
@@ -61,6 +62,7 @@ from murmura.tasks import ArrayDataset, TaskConfig  # noqa: E402
 NAME = "gossip"
 LR, EPOCHS, BATCH, MOMENTUM = 0.1, 3, 16, 0.5
 SOURCE, TARGET = 1, 7
+SEED_STEPS, SEED_LR = 30, 0.01
 LAST = 3
 
 
@@ -111,11 +113,11 @@ def sybil_data(task: TaskConfig, n: int, lead: int) -> Any:
     return data, {lead: Attack(data=poison)}
 
 
-def real_peers(clients: int, rounds: int) -> dict[str, Any]:
+def real_peers(clients: int, rounds: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "murmura", "run", "--gossip", "--clients", str(clients),
-               "--rounds", str(rounds), "--lr", str(LR), "--local-epochs", str(EPOCHS),
-               "--out", tmp, "-q"]
+               "--rounds", str(rounds), "--out", tmp, "-q",
+               *(extra or ("--lr", str(LR), "--local-epochs", str(EPOCHS)))]
         t0 = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         wall = time.perf_counter() - t0
@@ -127,6 +129,8 @@ def real_peers(clients: int, rounds: int) -> dict[str, Any]:
             "accuracy_min": summary.get("final_accuracy_min"),
             "consensus": summary.get("final_consensus_distance"),
             "bytes": summary.get("bytes_up"), "rounds": summary.get("rounds"),
+            "per_peer_round": (summary.get("bytes_up") or 0) / clients
+            / max(summary.get("rounds") or 1, 1),
             "ok": done.returncode == 0}
 
 
@@ -228,6 +232,20 @@ def main(argv: list[str] | None = None) -> int:
     # -- real peers -----------------------------------------------------------------------
     progress("10 real peers on loopback")
     real = real_peers(10, 10 if quick else 20)
+    real["case"] = "models (dense-f32)"
+    progress("10 real peers on loopback, seed mode")
+    seed_rounds = 10 if quick else 30
+    # every peer hears from every other each round (k-regular, degree n - 1): the peers' models
+    # stay bit-identical, so the consensus distance is exactly 0
+    seeded = real_peers(10, seed_rounds, ("--seed-mode", "--local-steps", str(SEED_STEPS),
+                                          "--lr", str(SEED_LR), "--topology", "k-regular",
+                                          "--degree", "9"))
+    seeded["case"] = f"seed mode ({SEED_STEPS} ZO steps/round, all-to-all)"
+    report.target("Seed mode: bytes sent per peer per round (10 real peers)",
+                  seeded["per_peer_round"] / 1024, "<=", 4, unit="KiB",
+                  detail=f"step logs of {SEED_STEPS} (seed, scalar) pairs to 9 peers, plus "
+                  f"view shuffles; the size does not depend on the model's; a model push is "
+                  f"{19332 / 1024:.1f} KiB for this MLP")
 
     report.note(
         f"Local work everywhere: {EPOCHS} epochs of SGD per round (batch {BATCH}, lr {LR}, "
@@ -250,14 +268,17 @@ def main(argv: list[str] | None = None) -> int:
         Column("success", "attack success %", "{:.1f}"),
         Column("accuracy", "honest accuracy", "{:.3f}")], sybil_rows)
     report.table("10 real peers on loopback (`murmura run --gossip --clients 10`)", [
+        Column("case", "exchange"),
         Column("rounds", "rounds"), Column("accuracy", "mean acc", "{:.3f}"),
         Column("accuracy_min", "min acc", "{:.3f}"),
         Column("consensus", "consensus distance", "{:.3f}"),
         Column("bytes", "bytes sent", lambda b: f"{b / 1e6:.2f} MB"),
+        Column("per_peer_round", "KiB / peer / round", lambda b: f"{b / 1024:.2f}"),
         Column("run_wall_s", "run wall s", "{:.1f}"),
-        Column("wall_s", "with start-up s", "{:.1f}")], [real])
-    report.note("Not measured yet: seed mode (issue 11's (seed, scalar) exchange); see "
-                "docs/gossip.md.", after_tables=True)
+        Column("wall_s", "with start-up s", "{:.1f}")], [real, seeded])
+    report.note("Seed mode runs on real peers only (the simulator trains first-order); its "
+                "accuracy is that of zeroth-order training, far below first-order after the "
+                "same rounds.", after_tables=True)
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(8, 4.5))
