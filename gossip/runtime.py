@@ -23,7 +23,14 @@ import numpy as np
 
 from murmura.client import RemoteError, RetryPolicy, Trainer
 from murmura.gossip.config import GossipConfig
-from murmura.gossip.errors import FailedPrecondition, InvalidArgument, Unavailable, short
+from murmura.gossip.errors import (
+    Aborted,
+    FailedPrecondition,
+    GossipError,
+    InvalidArgument,
+    Unavailable,
+    short,
+)
 from murmura.gossip.identity import AddressBinding, Verifier
 from murmura.gossip.node import PeerNode, training_seed
 from murmura.gossip.transport import Health, HistoryRecord, PeerHandler, PeerTransport
@@ -113,6 +120,7 @@ class PeerRuntime(PeerHandler):
         self._sender = ThreadPoolExecutor(max(4, 2 * self.config.fanout_for(
             self.config.view_size)), thread_name_prefix=f"send-{peer_id}")
         self._started = 0.0
+        self._early: list[tuple[PeerModelHeader, bytes]] = []  # seed mode: logs ahead of us
 
     # -- lifecycle
 
@@ -233,6 +241,8 @@ class PeerRuntime(PeerHandler):
             if seed_mode:
                 self.node.start_round(r)
             self._training = True
+        if seed_mode:
+            self._replay_early(r)
         result = self.trainer.train(base, self.settings,
                                     seed=training_seed(self.config.seed, self.peer_id, r))
         assert result.params is not None, "gossip peers need trainers that return models"
@@ -294,6 +304,8 @@ class PeerRuntime(PeerHandler):
                 return
             except RemoteError as exc:
                 if not exc.retryable or self.clock() - started + delay > budget:
+                    log.info("%s: sending round %d to %s failed: %s", self.peer_id, round_,
+                             target, exc)
                     self.stats.send_failures += 1
                     if exc.retryable:
                         self._mark_dead(target, address)
@@ -380,12 +392,36 @@ class PeerRuntime(PeerHandler):
             codec = create_codec(header.codec)
             if codec.needs_reference:  # seed mode: replay the step log on the round's base
                 with self._lock:
+                    if header.round > self.node.round and header.round not in self.node.bases:
+                        # a log for a round this peer has not started: replayed when it does
+                        if len(self._early) >= 8 * self.config.view_size:
+                            raise Aborted("too many step logs for future rounds; retry later")
+                        self._early.append((header, bytes(payload)))
+                        return True, self.node.round
                     reference = self.node.base(header.round)
                 model = codec.decode(payload, self.spec.size, reference=reference)
             else:
                 model = codec.decode(payload, self.spec.size)
         except CodecError as exc:
             raise InvalidArgument(f"model payload does not decode: {str(exc)[:80]}") from None
+        return self._take(header, model)
+
+    def _replay_early(self, round_: int) -> None:
+        """Seed mode, at the start of ``round_``: replay the step logs that came early."""
+        with self._lock:
+            due = [(h, p) for h, p in self._early if h.round == round_]
+            self._early = [(h, p) for h, p in self._early if h.round > round_]
+            reference = self.node.base(round_)
+        codec = create_codec("seed")
+        for header, payload in due:
+            try:
+                model = codec.decode(payload, self.spec.size, reference=reference)
+                self._take(header, model)
+            except (CodecError, GossipError) as exc:
+                log.warning("%s: an early step log from %s was refused: %s", self.peer_id,
+                            header.sender.peer_id, exc)
+
+    def _take(self, header: PeerModelHeader, model: FlatVector) -> tuple[bool, int]:
         with self._arrived:
             taken = self.node.receive(header.sender.peer_id, header.round, header.message_id,
                                       model, header.num_examples, header.spec_fingerprint)

@@ -128,7 +128,7 @@ class GrpcPeerTransport(PeerTransport):
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.stop(grace=None).wait()
+            self._server.stop(grace=1.0).wait()  # let in-flight replies go out
             self._server = None
         with self._lock:
             channels = list(self._channels.values())
