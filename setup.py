@@ -7,7 +7,8 @@ sub-package can never be left out of the wheel (see shared/style.md, Part 3).
 from setuptools import find_packages, setup
 
 ROOT, ROOT_DIR = "murmura", "cli"
-LAYERS = ("aggregation", "client", "edge", "protocols", "server", "simulation", "tasks")
+LAYERS = ("aggregation", "client", "edge", "gossip", "protocols", "server", "simulation",
+          "tasks")
 
 package_dir = {ROOT: ROOT_DIR}
 packages = [ROOT]

@@ -1,4 +1,5 @@
-"""The ``murmura`` command: run, server, client, keys, certs (and ``python -m murmura``)."""
+"""The ``murmura`` command: run, server, client, peer, simulate, keys, certs (and
+``python -m murmura``)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class RunConfig:
     client_threads: int = 1
     timeout_s: float = 900.0
     in_process: bool = False   # clients as threads of this process instead of processes
+    gossip: bool = False       # N peer processes and no server ([gossip] table, docs/gossip.md)
 
     def __post_init__(self) -> None:
         if self.clients < 1:
@@ -65,6 +67,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     _configure_logging(args, logging.WARNING)
     toml = read_toml(args.config)
     run = build(RunConfig, toml.get("run"), args, section="run")
+    if run.gossip:
+        from murmura.peers import cmd_run_gossip
+
+        return cmd_run_gossip(args, run, toml)
     given_min = args.min_clients is not None or "min_clients" in toml.get("server", {})
     task, server = _task_and_server(args, toml, address="127.0.0.1:0")
     if not given_min:  # wait for every client before the first round: a deterministic cohort
@@ -456,6 +462,8 @@ _SERVE_ONLY = ("tls_cert", "tls_key", "client_ca", "insecure", "key", "upstream_
 
 def build_parser() -> argparse.ArgumentParser:
     from murmura.client import ClientConfig
+    from murmura.gossip import GossipConfig, PeerConfig
+    from murmura.peers import cmd_peer
     from murmura.server import ServerConfig
     from murmura.tasks import TaskConfig
 
@@ -477,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, RunConfig, title="run")
     add_arguments(p, TaskConfig, title="task")
     add_arguments(p, ServerConfig, title="server", skip=("address", *_SERVE_ONLY))
+    add_arguments(p, GossipConfig, title="gossip (with --gossip)")
     p.add_argument("--device", default=None, help="clients' device: auto, cpu, cuda, mps")
     p.set_defaults(fn=cmd_run)
 
@@ -506,6 +515,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, TaskConfig, title="task")
     p.add_argument("--run-key-seed", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_client)
+
+    p = sub.add_parser("peer", help="run one gossip peer (no server)",
+                       description="Serve the Peer service on --listen, join through any "
+                       "--bootstrap peer, and train with the peers it finds: each round it "
+                       "trains on its data share, sends its model to a few peers and mixes "
+                       "what it receives (docs/gossip.md).")
+    common(p)
+    add_arguments(p, PeerConfig, title="peer")
+    add_arguments(p, GossipConfig, title="gossip")
+    add_arguments(p, TaskConfig, title="task")
+    p.set_defaults(fn=cmd_peer)
 
     p = sub.add_parser("keys", help="node identity keys (Ed25519)",
                        description="Make a node identity: an Ed25519 key whose public key "

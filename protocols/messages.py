@@ -115,3 +115,29 @@ class JoinResult:
     settings: TaskSettings
     mode: str
     max_payload_bytes: int
+
+
+# -- gossip mode ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A peer as another peer's view knows it: id, serving address, freshness."""
+
+    peer_id: str
+    address: str
+    round: int = 0
+    age: int = 0
+
+
+@dataclass(frozen=True)
+class PeerModelHeader:
+    """Everything about a peer-to-peer model push except its payload bytes."""
+
+    sender: PeerInfo
+    message_id: str
+    round: int
+    num_examples: int
+    codec: str
+    payload_bytes: int
+    spec_fingerprint: str = ""
+    signature: bytes = b""

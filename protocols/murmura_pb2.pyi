@@ -249,3 +249,97 @@ class LeaveRequest(_message.Message):
 class LeaveReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("peer_id", "address", "round", "age")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    AGE_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    address: str
+    round: int
+    age: int
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., round: _Optional[int] = ..., age: _Optional[int] = ...) -> None: ...
+
+class PeerExchange(_message.Message):
+    __slots__ = ("sender", "peers", "spec_fingerprint", "signature", "history")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    sender: PeerInfo
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    spec_fingerprint: str
+    signature: bytes
+    history: _containers.RepeatedCompositeFieldContainer[HistoryRecord]
+    def __init__(self, sender: _Optional[_Union[PeerInfo, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., spec_fingerprint: _Optional[str] = ..., signature: _Optional[bytes] = ..., history: _Optional[_Iterable[_Union[HistoryRecord, _Mapping]]] = ...) -> None: ...
+
+class HistoryRecord(_message.Message):
+    __slots__ = ("peer_id", "round", "sketch")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    round: int
+    sketch: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., sketch: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class PeerModelHeader(_message.Message):
+    __slots__ = ("sender", "message_id", "round", "num_examples", "codec", "payload_bytes", "spec_fingerprint", "signature")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    sender: PeerInfo
+    message_id: str
+    round: int
+    num_examples: int
+    codec: str
+    payload_bytes: int
+    spec_fingerprint: str
+    signature: bytes
+    def __init__(self, sender: _Optional[_Union[PeerInfo, _Mapping]] = ..., message_id: _Optional[str] = ..., round: _Optional[int] = ..., num_examples: _Optional[int] = ..., codec: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., spec_fingerprint: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class PeerChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PeerModelHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PeerModelHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PeerPushReply(_message.Message):
+    __slots__ = ("duplicate", "round")
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    round: int
+    def __init__(self, duplicate: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
+
+class PeerPullRequest(_message.Message):
+    __slots__ = ("peer_id",)
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
+
+class PeerHealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerHealthReply(_message.Message):
+    __slots__ = ("peer_id", "round", "view_size", "training")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    VIEW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    round: int
+    view_size: int
+    training: bool
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., view_size: _Optional[int] = ..., training: _Optional[bool] = ...) -> None: ...

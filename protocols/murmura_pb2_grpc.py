@@ -317,3 +317,269 @@ class Aggregator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PeerStub:
+    """---- Gossip mode: peers that train together with no server (docs/gossip.md) ----------------
+
+    Every peer serves this service. A peer's identity is (peer_id, address); a receiver binds an
+    id to the first address it learns for it and refuses a message from the same id at another
+    address while the bound one still answers Health (a signature field can be checked later).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Exchange = channel.unary_unary(
+                '/murmura.v1.Peer/Exchange',
+                request_serializer=murmura_dot_protocols_dot_murmura__pb2.PeerExchange.SerializeToString,
+                response_deserializer=murmura_dot_protocols_dot_murmura__pb2.PeerExchange.FromString,
+                _registered_method=True)
+        self.PushModel = channel.stream_unary(
+                '/murmura.v1.Peer/PushModel',
+                request_serializer=murmura_dot_protocols_dot_murmura__pb2.PeerChunk.SerializeToString,
+                response_deserializer=murmura_dot_protocols_dot_murmura__pb2.PeerPushReply.FromString,
+                _registered_method=True)
+        self.PullModel = channel.unary_stream(
+                '/murmura.v1.Peer/PullModel',
+                request_serializer=murmura_dot_protocols_dot_murmura__pb2.PeerPullRequest.SerializeToString,
+                response_deserializer=murmura_dot_protocols_dot_murmura__pb2.ModelChunk.FromString,
+                _registered_method=True)
+        self.Health = channel.unary_unary(
+                '/murmura.v1.Peer/Health',
+                request_serializer=murmura_dot_protocols_dot_murmura__pb2.PeerHealthRequest.SerializeToString,
+                response_deserializer=murmura_dot_protocols_dot_murmura__pb2.PeerHealthReply.FromString,
+                _registered_method=True)
+        self.Goodbye = channel.unary_unary(
+                '/murmura.v1.Peer/Goodbye',
+                request_serializer=murmura_dot_protocols_dot_murmura__pb2.PeerExchange.SerializeToString,
+                response_deserializer=murmura_dot_protocols_dot_murmura__pb2.PeerPushReply.FromString,
+                _registered_method=True)
+
+
+class PeerServicer:
+    """---- Gossip mode: peers that train together with no server (docs/gossip.md) ----------------
+
+    Every peer serves this service. A peer's identity is (peer_id, address); a receiver binds an
+    id to the first address it learns for it and refuses a message from the same id at another
+    address while the bound one still answers Health (a signature field can be checked later).
+    """
+
+    def Exchange(self, request, context):
+        """Peer-sampling shuffle (and join): send a few entries of my view, get a few of yours.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushModel(self, request_iterator, context):
+        """A model (or model delta) for the receiver to mix in: a PeerModelHeader chunk, then payload
+        chunks, framed exactly like Push. Idempotent per message_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullModel(self, request, context):
+        """The sender's current model, for a joining or restarted peer to catch up (ModelHeader
+        chunk, then payload chunks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Health(self, request, context):
+        """Liveness and progress of the peer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Goodbye(self, request, context):
+        """The sender leaves for good: the receiver drops it from its view.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PeerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Exchange': grpc.unary_unary_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=murmura_dot_protocols_dot_murmura__pb2.PeerExchange.FromString,
+                    response_serializer=murmura_dot_protocols_dot_murmura__pb2.PeerExchange.SerializeToString,
+            ),
+            'PushModel': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushModel,
+                    request_deserializer=murmura_dot_protocols_dot_murmura__pb2.PeerChunk.FromString,
+                    response_serializer=murmura_dot_protocols_dot_murmura__pb2.PeerPushReply.SerializeToString,
+            ),
+            'PullModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullModel,
+                    request_deserializer=murmura_dot_protocols_dot_murmura__pb2.PeerPullRequest.FromString,
+                    response_serializer=murmura_dot_protocols_dot_murmura__pb2.ModelChunk.SerializeToString,
+            ),
+            'Health': grpc.unary_unary_rpc_method_handler(
+                    servicer.Health,
+                    request_deserializer=murmura_dot_protocols_dot_murmura__pb2.PeerHealthRequest.FromString,
+                    response_serializer=murmura_dot_protocols_dot_murmura__pb2.PeerHealthReply.SerializeToString,
+            ),
+            'Goodbye': grpc.unary_unary_rpc_method_handler(
+                    servicer.Goodbye,
+                    request_deserializer=murmura_dot_protocols_dot_murmura__pb2.PeerExchange.FromString,
+                    response_serializer=murmura_dot_protocols_dot_murmura__pb2.PeerPushReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'murmura.v1.Peer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('murmura.v1.Peer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Peer:
+    """---- Gossip mode: peers that train together with no server (docs/gossip.md) ----------------
+
+    Every peer serves this service. A peer's identity is (peer_id, address); a receiver binds an
+    id to the first address it learns for it and refuses a message from the same id at another
+    address while the bound one still answers Health (a signature field can be checked later).
+    """
+
+    @staticmethod
+    def Exchange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmura.v1.Peer/Exchange',
+            murmura_dot_protocols_dot_murmura__pb2.PeerExchange.SerializeToString,
+            murmura_dot_protocols_dot_murmura__pb2.PeerExchange.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushModel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/murmura.v1.Peer/PushModel',
+            murmura_dot_protocols_dot_murmura__pb2.PeerChunk.SerializeToString,
+            murmura_dot_protocols_dot_murmura__pb2.PeerPushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/murmura.v1.Peer/PullModel',
+            murmura_dot_protocols_dot_murmura__pb2.PeerPullRequest.SerializeToString,
+            murmura_dot_protocols_dot_murmura__pb2.ModelChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Health(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmura.v1.Peer/Health',
+            murmura_dot_protocols_dot_murmura__pb2.PeerHealthRequest.SerializeToString,
+            murmura_dot_protocols_dot_murmura__pb2.PeerHealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Goodbye(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmura.v1.Peer/Goodbye',
+            murmura_dot_protocols_dot_murmura__pb2.PeerExchange.SerializeToString,
+            murmura_dot_protocols_dot_murmura__pb2.PeerPushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols.messages import (
@@ -10,6 +11,8 @@ from murmura.protocols.messages import (
     DeviceProfile,
     JoinProof,
     JoinResult,
+    PeerInfo,
+    PeerModelHeader,
     PushResult,
     Task,
     TaskSettings,
@@ -232,5 +235,61 @@ def iter_model_items(version: int, spec: ModelSpec | None, codec: str,
     yield pb.ModelChunk(header=pb.ModelHeader(
         version=version, spec=spec_to_proto(spec) if spec is not None else None, codec=codec,
         payload_bytes=len(view), base_version=base_version))
+    for start in range(0, len(view), chunk_bytes):
+        yield view[start : start + chunk_bytes]
+
+
+# -- gossip mode ------------------------------------------------------------------------------
+
+def peer_info_to_proto(p: PeerInfo) -> pb.PeerInfo:
+    return pb.PeerInfo(peer_id=p.peer_id, address=p.address, round=p.round, age=p.age)
+
+
+def peer_info_from_proto(m: pb.PeerInfo) -> PeerInfo:
+    return PeerInfo(peer_id=m.peer_id, address=m.address, round=m.round, age=m.age)
+
+
+def history_to_proto(records: Sequence[tuple[str, int, Any]]) -> list[pb.HistoryRecord]:
+    """``(peer_id, round, sketch)`` records for a PeerExchange."""
+    return [pb.HistoryRecord(peer_id=p, round=r, sketch=[float(v) for v in sk])
+            for p, r, sk in records]
+
+
+def history_from_proto(records: Sequence[pb.HistoryRecord]) -> list[tuple[str, int, list[float]]]:
+    return [(m.peer_id, m.round, list(m.sketch)) for m in records]
+
+
+def peer_model_header_to_proto(h: PeerModelHeader) -> pb.PeerModelHeader:
+    return pb.PeerModelHeader(sender=peer_info_to_proto(h.sender), message_id=h.message_id,
+                              round=h.round, num_examples=h.num_examples, codec=h.codec,
+                              payload_bytes=h.payload_bytes,
+                              spec_fingerprint=h.spec_fingerprint, signature=h.signature)
+
+
+def peer_model_header_from_proto(m: pb.PeerModelHeader) -> PeerModelHeader:
+    return PeerModelHeader(sender=peer_info_from_proto(m.sender), message_id=m.message_id,
+                           round=m.round, num_examples=m.num_examples, codec=m.codec,
+                           payload_bytes=m.payload_bytes, spec_fingerprint=m.spec_fingerprint,
+                           signature=m.signature)
+
+
+def serialize_peer_item(item: pb.PeerChunk | bytes | memoryview) -> bytes:
+    """Request serializer for PushModel: a header message, or raw payload bytes to frame
+    (``PeerChunk.data`` is field 2 like ``UpdateChunk.data``, so the framing is the same)."""
+    if isinstance(item, pb.PeerChunk):
+        return item.SerializeToString()
+    return frame_data(item)
+
+
+def deserialize_peer_item(raw: bytes) -> pb.PeerChunk | memoryview:
+    view = _data_view(raw)
+    return view if view is not None else pb.PeerChunk.FromString(raw)
+
+
+def iter_peer_items(header: PeerModelHeader, payload: bytes | memoryview,
+                    chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.PeerChunk | memoryview]:
+    """PushModel stream items for :func:`serialize_peer_item`: the header, then payload views."""
+    yield pb.PeerChunk(header=peer_model_header_to_proto(header))
+    view = memoryview(payload).cast("B")
     for start in range(0, len(view), chunk_bytes):
         yield view[start : start + chunk_bytes]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from murmura.config import add_arguments, build, read_toml
+from murmura.gossip import GossipConfig
 from murmura.progress import Progress
 from murmura.server import ServerConfig
 from murmura.simulation.api import simulate
@@ -39,6 +40,7 @@ def add_parser(subparsers: Any) -> None:
     add_arguments(p, SimulationConfig, title="simulation")
     add_arguments(p, TaskConfig, title="task")
     add_arguments(p, ServerConfig, title="server", skip=("address",))
+    add_arguments(p, GossipConfig, title="gossip (with --gossip)")
     p.set_defaults(fn=cmd_simulate)
 
 
@@ -69,7 +71,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     level = logging.WARNING - 10 * args.verbose + 10 * args.quiet
     logging.basicConfig(level=max(level, logging.DEBUG), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    task, server, sim, given_min = load_configs(read_toml(args.config), args)
+    toml = read_toml(args.config)
+    task, server, sim, given_min = load_configs(toml, args)
+    if sim.gossip:
+        return _simulate_gossip(task, sim, toml, args)
     print(f"murmura simulate: {sim.clients} virtual clients, mode={server.mode}, "
           f"task={task.task}, codec={server.train.codec}, speed spread {sim.speed_spread:g}x, "
           f"availability={sim.availability}, out={sim.out}", file=sys.stderr)
@@ -98,6 +103,30 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"run did not reach max_versions: {reason} at version {result.version}",
               file=sys.stderr)
         return 0 if sim.max_time_s and result.virtual_s >= sim.max_time_s else 1
+    return 0
+
+
+def _simulate_gossip(task: TaskConfig, sim: SimulationConfig, toml: dict[str, Any],
+                     args: argparse.Namespace) -> int:
+    from murmura.simulation.gossip import GossipFailures, GossipSimulation
+
+    gossip = build(GossipConfig, toml.get("gossip"), args, section="gossip")
+    failures = GossipFailures(sim.churn_per_round, sim.fail_fraction, sim.fail_round)
+    print(f"murmura simulate --gossip: {sim.clients} virtual peers, topology "
+          f"{gossip.topology}, {gossip.rounds} rounds, task={task.task}, out={sim.out}",
+          file=sys.stderr)
+    progress = Progress(gossip.rounds)
+    try:
+        result = GossipSimulation(task, gossip, sim, failures=failures,
+                                  progress=progress.update).run()
+    finally:
+        progress.close()
+    last = result.rows[-1]
+    print(f"final mean peer accuracy {last['accuracy']:.4f} (min {last['accuracy_min']:.4f}) "
+          f"after {last['round']} rounds, consensus distance "
+          f"{last['consensus_distance']:.4f}, {result.bytes_per_peer_round / 1024:.1f} KiB "
+          f"per peer per round, {result.virtual_s:.1f} virtual s ({result.wall_s:.1f} s wall)")
+    print(f"results: {sim.out}/metrics.jsonl, {sim.out}/summary.json, {sim.out}/accuracy.png")
     return 0
 
 

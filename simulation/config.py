@@ -68,6 +68,11 @@ class SimulationConfig:
     # the run
     max_time_s: float = 0.0        # stop at this virtual time; 0: when max_versions is reached
     checkpoint: bool = False       # write checkpoint.npz at every version, as the server does
+    # gossip mode (murmura simulate --gossip; the [gossip] table configures the peers)
+    gossip: bool = False
+    churn_per_round: float = 0.0   # each peer offline for a round with this probability
+    fail_fraction: float = 0.0     # this share of the peers crashes for good...
+    fail_round: int = 0            # ...at this round
 
     def __post_init__(self) -> None:
         if self.clients < 1:
@@ -114,6 +119,10 @@ class SimulationConfig:
             raise ValueError(f"samples_per_client must be >= 0, got {self.samples_per_client}")
         if self.partition_by and not self.data_path:
             raise ValueError("partition_by needs data_path (a dataset with that column)")
+        if not (0 <= self.churn_per_round < 1 and 0 <= self.fail_fraction < 1
+                and self.fail_round >= 0):
+            raise ValueError("churn_per_round and fail_fraction must lie in [0, 1), "
+                             "fail_round >= 0")
         if not self.max_time_s >= 0:
             raise ValueError(f"max_time_s must be >= 0, got {self.max_time_s}")
 

@@ -19,8 +19,11 @@ MAY_IMPORT: dict[str, set[str]] = {
     "edge": {"protocols"},
     # server/leaf.py: a leaf aggregator's upstream link is a ClientRuntime
     "server": {"protocols", "aggregation", "tasks", "client"},
-    "simulation": {"protocols", "aggregation", "tasks", "client", "server", "edge"},
-    "cli": {"protocols", "aggregation", "tasks", "client", "server", "edge", "simulation"},
+    # gossip mode: peers reuse the client's trainers and transport errors; no server
+    "gossip": {"protocols", "aggregation", "tasks", "client", "edge"},
+    "simulation": {"protocols", "aggregation", "tasks", "client", "server", "edge", "gossip"},
+    "cli": {"protocols", "aggregation", "tasks", "client", "server", "edge", "simulation",
+            "gossip"},
 }
 FORBIDDEN = {"aggregation": {"grpc", "google"}, "tasks": {"grpc", "google"}}
 

@@ -15,7 +15,7 @@ from murmura.cli import build_parser, main
 from murmura.config import build, read_toml
 from murmura.server import ServerConfig
 
-SUBCOMMANDS = ["run", "server", "client"]
+SUBCOMMANDS = ["run", "server", "client", "peer", "simulate"]
 
 
 @pytest.mark.parametrize("sub", SUBCOMMANDS)
@@ -80,6 +80,27 @@ def test_murmura_run_end_to_end_with_client_processes(tmp_path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
+def test_murmura_run_gossip_writes_one_row_per_round_over_peers(tmp_path) -> None:
+    out = tmp_path / "gossip"
+    proc = subprocess.run(
+        [sys.executable, "-m", "murmura", "run", "--gossip", "--clients", "3", "--rounds", "3",
+         "--out", str(out), "--local-epochs", "1"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "final mean test accuracy" in proc.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["peers"] == 3 and row["bytes_up"] > 0 and row["consensus_distance"] > 0
+        assert row["accuracy_min"] <= row["accuracy"] <= row["accuracy_max"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 3 and summary["config"]["gossip"]["topology"] == "epidemic"
+    assert (out / "accuracy.png").stat().st_size > 1000
+    assert not list((out / "peers").glob("*.npy"))  # read and cleaned up
+
+
+@pytest.mark.integration
 def test_server_logs_its_bound_port_and_stops_cleanly_on_sigterm(tmp_path) -> None:
     out = tmp_path / "srv"
     proc = subprocess.Popen(
@@ -109,3 +130,18 @@ def test_run_in_process_resumes_nothing_and_writes_outputs(tmp_path, capsys) -> 
     assert "final test accuracy" in capsys.readouterr().out
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     assert Path(out / "checkpoint.npz").exists()
+
+
+def test_gossip_rows_do_not_wait_for_a_round_a_peer_jumped_past(tmp_path) -> None:
+    from murmura.peers import GossipRun
+
+    (tmp_path / "a.jsonl").write_text("".join(
+        json.dumps({"round": r, "accuracy": 0.5, "bytes_sent": 10}) + "\n" for r in range(3)))
+    (tmp_path / "b.jsonl").write_text(json.dumps({"round": 2, "accuracy": 0.7}) + "\n")
+    follow = GossipRun(tmp_path, ["a", "b"])
+    follow.poll()
+
+    rows = follow.complete({"a", "b"})
+
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert rows[0]["peers"] == 1 and rows[2]["peers"] == 2 and rows[2]["accuracy"] == 0.6

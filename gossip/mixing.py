@@ -1,0 +1,66 @@
+"""How a peer mixes its neighbours' models into its own: the aggregation rules, peer-side.
+
+One function for real and simulated peers. Received models become deltas from the peer's own
+model; the peer's own model enters as a zero delta at weight 1; the configured rule (any name
+of :mod:`murmura.aggregation`'s registry) aggregates them, and the result moves the own model.
+With ``fedavg`` this is the plain average of own and received models (Epidemic Learning's
+mixing step). With a :class:`~murmura.aggregation.SybilWeighting` scorer, neighbours are
+weighted by how dissimilar their delta histories are (SybilWall-style), the own model keeping
+weight 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from murmura.aggregation import SybilWeighting, create_aggregator
+from murmura.protocols import FlatVector
+
+__all__ = ["mix", "parse_options"]
+
+
+def parse_options(options: Mapping[str, str]) -> dict[str, Any]:
+    """Rule options from strings, numbers parsed (``none`` means None)."""
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        text = str(value).strip()
+        parsed: Any = text
+        if text.lower() == "none":
+            parsed = None
+        else:
+            for kind in (int, float):
+                try:
+                    parsed = kind(text)
+                    break
+                except ValueError:
+                    pass
+        out[key.replace("-", "_")] = parsed
+    return out
+
+
+def mix(own: FlatVector, received: Sequence[tuple[str, FlatVector]], *, rule: str = "fedavg",
+        options: Mapping[str, Any] | None = None, owner: str = "self",
+        sybil: SybilWeighting | None = None) -> FlatVector:
+    """The peer's next model from its own and the ``(sender, model)`` pairs it received.
+
+    ``received`` is taken in the given order (callers sort by sender, so the float sums are the
+    same on every run). Nothing is modified in place.
+    """
+    if not received:
+        return np.array(own, dtype=np.float32, copy=True)
+    deltas = np.stack([np.subtract(m, own, dtype=np.float32) for _, m in received])
+    senders = [s for s, _ in received]
+    if sybil is not None:
+        for sender, sketch in zip(senders, sybil.sketch(deltas), strict=True):
+            sybil.observe(sender, sketch)
+        w = sybil.weights(senders)
+        step = (w[:, None] * deltas).sum(axis=0) / (1.0 + float(w.sum()))
+        return (own + step.astype(np.float32)).astype(np.float32)
+    agg = create_aggregator(rule, own.size, **dict(options or {}))
+    agg.add(np.zeros_like(own), 1.0, client_id=owner)
+    for sender, delta in zip(senders, deltas, strict=True):
+        agg.add(delta, 1.0, client_id=sender)
+    return (own + agg.result()).astype(np.float32)

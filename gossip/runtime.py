@@ -1,0 +1,448 @@
+"""The peer loop: join through any bootstrap peer, then train, send, wait, mix, shuffle.
+
+:class:`PeerRuntime` mirrors :class:`~murmura.client.ClientRuntime` for gossip mode: a
+transport and a trainer in, a loop that survives other peers joining, leaving and crashing.
+Its decisions (whom to send to, what to accept, how to mix) are :class:`PeerNode`'s, shared
+with the simulator. Sends run in the background with retries and backoff; a peer that stays
+unreachable is dropped from the view and not re-added from other peers' stale entries until it
+contacts this peer itself (or comes back at a new address).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from murmura.client import RemoteError, RetryPolicy, Trainer
+from murmura.gossip.config import GossipConfig
+from murmura.gossip.errors import (
+    Aborted,
+    FailedPrecondition,
+    GossipError,
+    InvalidArgument,
+    Unavailable,
+    short,
+)
+from murmura.gossip.identity import AddressBinding, Verifier
+from murmura.gossip.node import PeerNode, training_seed
+from murmura.gossip.transport import Health, HistoryRecord, PeerHandler, PeerTransport
+from murmura.protocols import (
+    CodecError,
+    FlatVector,
+    ModelSpec,
+    PeerInfo,
+    PeerModelHeader,
+    UnknownCodecError,
+    create_codec,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PeerRuntime", "PeerStats", "RoundReport"]
+
+UpdateHook = Callable[[FlatVector], FlatVector]
+
+
+@dataclass
+class PeerStats:
+    rounds: int = 0
+    sent: int = 0
+    send_failures: int = 0
+    received: int = 0
+    refused: int = 0
+    mixed: int = 0
+    retries: int = 0
+    refusals: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What a peer did in one round (the CLI evaluates ``model`` and writes a metrics row)."""
+
+    round: int
+    model: FlatVector
+    mixed: int
+    view: int
+    bytes_sent: int
+    train_loss: float
+    time_s: float
+
+
+class PeerRuntime(PeerHandler):
+    """One peer identity driving a :class:`PeerNode` over a :class:`PeerTransport`.
+
+    ``model`` is the starting model every peer of a run shares (default: the trainer's
+    module). ``catch_up`` makes a joining or restarted peer pull the model of the most
+    advanced peer it learns of and continue from that peer's round. ``update_hook`` changes
+    the update (trained minus starting model) before it is sent and kept: the red-team attacks
+    of :mod:`murmura.client.attacks` plug in here.
+    """
+
+    def __init__(self, transport: PeerTransport, trainer: Trainer, *, peer_id: str,
+                 config: GossipConfig | None = None, bootstrap: Sequence[str] = (),
+                 model: FlatVector | None = None, catch_up: bool = False,
+                 retry: RetryPolicy | None = None,
+                 on_round: Callable[[RoundReport], None] | None = None,
+                 update_hook: UpdateHook | None = None, verify: Verifier | None = None,
+                 num_peers: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.transport, self.trainer, self.peer_id = transport, trainer, peer_id
+        self.config = config or GossipConfig()
+        if self.config.topology == "modest":
+            raise ValueError("topology 'modest' runs in the simulator only (murmura simulate "
+                             "--gossip); deployed peers use epidemic, ring or k-regular")
+        self.settings = self.config.settings()
+        self.bootstrap = [b for b in bootstrap if b]
+        self.catch_up = catch_up
+        self.retry = retry or RetryPolicy(initial_s=0.05, max_s=1.0, give_up_after_s=30.0)
+        self.on_round, self.update_hook, self.clock = on_round, update_hook, clock
+        self.spec: ModelSpec = trainer.spec
+        if model is None:
+            module = getattr(trainer, "model", None)
+            if module is None:
+                raise ValueError("pass model= (the run's starting model) for this trainer")
+            model = self.spec.flatten(module)
+        self.node = PeerNode(peer_id, self.spec, self.config, model, num_peers=num_peers)
+        self.identity = AddressBinding(peer_id, is_alive=self._alive, verify=verify)
+        self.stats = PeerStats()
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._training = False
+        self._rand = random.Random(f"{peer_id}:{self.config.seed}")
+        self._sender = ThreadPoolExecutor(max(4, 2 * self.config.fanout_for(
+            self.config.view_size)), thread_name_prefix=f"send-{peer_id}")
+        self._started = 0.0
+        self._early: list[tuple[PeerModelHeader, bytes]] = []  # seed mode: logs ahead of us
+
+    # -- lifecycle
+
+    @property
+    def address(self) -> str:
+        return self.node.address
+
+    def start(self) -> str:
+        """Serve the Peer service and join through the bootstrap peers; return the address."""
+        self._started = self.clock()
+        self.node.address = self.transport.serve(self)
+        log.info("peer %s listening on %s", self.peer_id, self.node.address)
+        self._join()
+        return self.node.address
+
+    def _await_peers(self) -> None:
+        """Before round 0, shuffle until ``min_peers`` peers are known (or the start timeout):
+        a run whose peers start together then begins with full views."""
+        need = min(self.config.min_peers - 1, self.config.view_size)
+        deadline = self.clock() + self.config.start_timeout_s
+        while not self._stop.is_set() and self.clock() < deadline:
+            with self._lock:
+                if len(self.node.view) >= need:
+                    return
+            self._shuffle(tick=False)
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        """Ask the loop to end after the current round (then it says goodbye)."""
+        self._stop.set()
+        with self._arrived:
+            self._arrived.notify_all()
+
+    def run(self, *, rounds: int | None = None) -> PeerStats:
+        """Train ``rounds`` rounds (default: the config's), say goodbye, stop serving."""
+        if not self.node.address:
+            self.start()
+        end = self.config.rounds if rounds is None else rounds
+        try:
+            if self.node.round == 0:
+                self._await_peers()
+            while self.node.round < end and not self._stop.is_set():
+                self.step()
+        finally:
+            self.close()
+        return self.stats
+
+    def close(self) -> None:
+        """Finish the last round's sends, say goodbye to the view (best effort), then stop
+        serving."""
+        self._sender.shutdown(wait=True)  # a send gives up after its retry budget
+        with self._lock:
+            me, entries = self.node.me(), self.node.view.entries()
+        for e in entries:
+            try:
+                self.transport.goodbye(e.address, me)
+            except RemoteError:
+                pass
+        self.transport.stop()
+
+    # -- joining
+
+    def _join(self) -> None:
+        if not self.bootstrap:
+            return
+        joined = False
+        delay, started = self.retry.initial_s, self.clock()
+        while not joined:
+            for address in self.bootstrap:
+                try:
+                    sender, peers, _ = self.transport.exchange(
+                        address, self.node.me(), [], self.node.fingerprint)
+                except RemoteError as exc:
+                    if not exc.retryable:
+                        raise
+                    continue
+                with self._lock:
+                    self.node.view.merge([PeerInfo(sender.peer_id, address, sender.round, 0),
+                                          *peers])
+                joined = True
+            if not joined:
+                if self.clock() - started > self.retry.give_up_after_s:
+                    raise RemoteError("UNAVAILABLE", f"no bootstrap peer answered: "
+                                                     f"{', '.join(self.bootstrap)[:80]}")
+                self.stats.retries += 1
+                self._stop.wait(delay)
+                delay = min(delay * self.retry.multiplier, self.retry.max_s)
+        if self.catch_up:
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Continue from the most advanced known peer's model and round."""
+        with self._lock:
+            entries = sorted(self.node.view.entries(), key=lambda e: (-e.round, e.peer_id))
+        for e in entries:
+            try:
+                round_, model = self.transport.pull_model(e.address, self.peer_id)
+                self.spec.check_vector(model)
+            except (RemoteError, ValueError) as exc:
+                log.info("catch-up from %s failed: %s", e.peer_id, exc)
+                continue
+            if not np.isfinite(model).all():
+                continue
+            with self._lock:
+                self.node.model = model
+                self.node.round = max(self.node.round, int(round_))
+            log.info("%s caught up from %s at round %d", self.peer_id, e.peer_id, round_)
+            return
+
+    # -- one round
+
+    def step(self) -> RoundReport:
+        """Train, send to this round's targets, wait for neighbours, mix, shuffle."""
+        seed_mode = self.config.seed_mode
+        with self._lock:
+            r = self.node.round
+            base = self.node.model.copy()
+            if seed_mode:
+                self.node.start_round(r)
+            self._training = True
+        if seed_mode:
+            self._replay_early(r)
+        result = self.trainer.train(base, self.settings,
+                                    seed=training_seed(self.config.seed, self.peer_id, r))
+        assert result.params is not None, "gossip peers need trainers that return models"
+        new = result.params
+        codec, payload = "dense-f32", b""
+        if seed_mode:
+            if result.encoded is None or result.encoded[0] != "seed":
+                raise ValueError("seed mode needs the zeroth-order trainer (ZOTrainer)")
+            codec, payload = result.encoded
+        elif self.update_hook is not None:
+            new = (base + self.update_hook(np.subtract(new, base, dtype=np.float32))
+                   ).astype(np.float32)
+        with self._lock:
+            self._training = False
+            self.node.model = new
+            if seed_mode:  # the same arithmetic as a receiver's replay: bit-identical
+                self.node.own_update = np.subtract(new, base, dtype=np.float32)
+            targets = [(t, self.node.view.get(t)) for t in self.node.targets(r)]
+            me = self.node.me()
+        if not seed_mode:
+            payload = new.tobytes()
+        for target, entry in targets:
+            if entry is not None:
+                self._sender.submit(self._send, target, entry.address, me, r, payload,
+                                    result.num_examples, codec)
+        deadline = self.clock() + self.config.round_timeout_s
+        with self._arrived:
+            while not self._stop.is_set() and self.node.ready(r) < self.node.expected():
+                left = deadline - self.clock()
+                if left <= 0:
+                    break
+                self._arrived.wait(left)
+            mixed = self.node.mix()
+            self.node.advance(r)
+            model = self.node.model.copy()
+            view = len(self.node.view)
+        self.stats.rounds += 1
+        self.stats.mixed += mixed
+        self._shuffle()
+        report = RoundReport(r, model, mixed, view, self.transport.bytes_sent,
+                             float(result.metrics.get("train_loss", float("nan"))),
+                             self.clock() - self._started)
+        if self.on_round is not None:
+            self.on_round(report)
+        return report
+
+    def _send(self, target: str, address: str, me: PeerInfo, round_: int, payload: bytes,
+              num_examples: int, codec: str = "dense-f32") -> None:
+        header = PeerModelHeader(sender=me, message_id=secrets.token_urlsafe(9), round=round_,
+                                 num_examples=num_examples, codec=codec,
+                                 payload_bytes=len(payload),
+                                 spec_fingerprint=self.node.fingerprint)
+        delay, started = self.retry.initial_s, self.clock()
+        budget = max(self.config.round_timeout_s, 0.5)
+        while not self._stop.is_set():
+            try:
+                self.transport.push_model(address, header, payload)
+                self.stats.sent += 1
+                return
+            except RemoteError as exc:
+                if not exc.retryable or self.clock() - started + delay > budget:
+                    log.info("%s: sending round %d to %s failed: %s", self.peer_id, round_,
+                             target, exc)
+                    self.stats.send_failures += 1
+                    if exc.retryable:
+                        self._mark_dead(target, address)
+                    else:
+                        self.stats.refusals.append(exc.status)
+                        log.warning("%s refused our model: %s", target, exc)
+                    return
+                self.stats.retries += 1
+                self._stop.wait(delay * (1 + 0.2 * (2 * self._rand.random() - 1)))
+                delay = min(delay * self.retry.multiplier, self.retry.max_s)
+
+    def _mark_dead(self, peer_id: str, address: str) -> None:
+        log.info("%s: peer %s at %s is unreachable; dropping it from the view", self.peer_id,
+                 peer_id, address)
+        with self._lock:
+            self.node.mark_dead(peer_id, address)
+
+    def _shuffle(self, *, tick: bool = True) -> None:
+        with self._lock:
+            if tick:
+                partner, offer = self.node.shuffle_start()
+            else:  # before the first round: any member, so a new peer learns from several
+                entries = self.node.view.entries()
+                partner = self._rand.choice(entries) if entries else None
+                offer = self.node.view.sample(self.config.shuffle_size)
+            if partner is None:
+                return
+            me = self.node.me()
+            history = self.node.history_offer(self._rand)
+        try:
+            sender, peers, theirs = self.transport.exchange(partner.address, me, offer,
+                                                            self.node.fingerprint, history)
+        except RemoteError as exc:
+            if exc.retryable:
+                self._mark_dead(partner.peer_id, partner.address)
+            return
+        with self._lock:
+            self.node.heard_from(PeerInfo(sender.peer_id, partner.address, sender.round, 0))
+            self.node.merge(peers)
+            self.node.take_history(theirs)
+
+    def _alive(self, peer_id: str, address: str) -> bool:
+        try:
+            return self.transport.health(address).peer_id == peer_id
+        except RemoteError:
+            return False
+
+    # -- PeerHandler: what this peer answers (runs on the server's threads)
+
+    def on_exchange(self, sender: PeerInfo, peers: Sequence[PeerInfo], fingerprint: str,
+                    signature: bytes, history: Sequence[HistoryRecord] = ()
+                    ) -> tuple[PeerInfo, list[PeerInfo], list[HistoryRecord]]:
+        if fingerprint != self.node.fingerprint:
+            raise FailedPrecondition(f"model spec {short(fingerprint, 24)} differs from this "
+                                     f"peer's {self.node.fingerprint}")
+        self.identity.check(sender.peer_id, sender.address, signature=signature)
+        with self._lock:
+            reply = self.node.shuffle_answer(sender, peers)
+            mine = self.node.history_offer(self._rand)
+            self.node.take_history(history)
+            return self.node.me(), reply, mine
+
+    def check_header(self, header: PeerModelHeader) -> int:
+        self.identity.check(header.sender.peer_id, header.sender.address,
+                            signature=header.signature)
+        try:
+            codec = create_codec(header.codec)
+        except (UnknownCodecError, CodecError):
+            raise InvalidArgument(f"unknown codec {short(header.codec)}") from None
+        if codec.needs_reference and not (self.config.seed_mode and header.codec == "seed"):
+            raise InvalidArgument(f"codec {header.codec!r} needs a reference model; this peer "
+                                  f"takes whole models" + ("" if self.config.seed_mode
+                                                          else " (seed mode is off)"))
+        if self.config.seed_mode and header.codec != "seed":
+            raise InvalidArgument(f"this peer runs seed mode and takes codec 'seed' only, got "
+                                  f"{short(header.codec)}")
+        with self._lock:
+            self.node.check_model(header.sender.peer_id, header.round, header.num_examples,
+                                  header.spec_fingerprint)
+        return codec.max_payload_bytes(self.spec.size) or 4 * self.spec.size + 4096
+
+    def on_model(self, header: PeerModelHeader, payload: bytes | memoryview) -> tuple[bool, int]:
+        try:
+            codec = create_codec(header.codec)
+            if codec.needs_reference:  # seed mode: replay the step log on the round's base
+                with self._lock:
+                    if header.round > self.node.round and header.round not in self.node.bases:
+                        # a log for a round this peer has not started: replayed when it does
+                        if len(self._early) >= 8 * self.config.view_size:
+                            raise Aborted("too many step logs for future rounds; retry later")
+                        self._early.append((header, bytes(payload)))
+                        return True, self.node.round
+                    reference = self.node.base(header.round)
+                model = codec.decode(payload, self.spec.size, reference=reference)
+            else:
+                model = codec.decode(payload, self.spec.size)
+        except CodecError as exc:
+            raise InvalidArgument(f"model payload does not decode: {str(exc)[:80]}") from None
+        return self._take(header, model)
+
+    def _replay_early(self, round_: int) -> None:
+        """Seed mode, at the start of ``round_``: replay the step logs that came early."""
+        with self._lock:
+            due = [(h, p) for h, p in self._early if h.round == round_]
+            self._early = [(h, p) for h, p in self._early if h.round > round_]
+            reference = self.node.base(round_)
+        codec = create_codec("seed")
+        for header, payload in due:
+            try:
+                model = codec.decode(payload, self.spec.size, reference=reference)
+                self._take(header, model)
+            except (CodecError, GossipError) as exc:
+                log.warning("%s: an early step log from %s was refused: %s", self.peer_id,
+                            header.sender.peer_id, exc)
+
+    def _take(self, header: PeerModelHeader, model: FlatVector) -> tuple[bool, int]:
+        with self._arrived:
+            taken = self.node.receive(header.sender.peer_id, header.round, header.message_id,
+                                      model, header.num_examples, header.spec_fingerprint)
+            self.stats.received += int(taken)
+            self._arrived.notify_all()
+            round_ = self.node.round
+            self.node.heard_from(header.sender)
+        return taken, round_
+
+    def on_pull(self, peer_id: str) -> tuple[int, ModelSpec, FlatVector]:
+        if self._stop.is_set():
+            raise Unavailable("this peer is leaving")
+        with self._lock:
+            return self.node.round, self.spec, self.node.model.copy()
+
+    def on_health(self) -> Health:
+        with self._lock:
+            return Health(self.peer_id, self.node.round, len(self.node.view), self._training)
+
+    def on_goodbye(self, sender: PeerInfo) -> None:
+        if self.identity.address_of(sender.peer_id) not in (None, sender.address):
+            return  # only the bound address may say goodbye for an id
+        with self._lock:
+            self.node.mark_dead(sender.peer_id, sender.address)

@@ -1,0 +1,504 @@
+"""Gossip mode on the virtual clock: thousands of peers with no server, on one machine.
+
+Each peer is a :class:`~murmura.gossip.PeerNode` (the class a deployed peer's runtime
+drives), so whom it sends to, what it accepts, how it mixes and how its bounded view shuffles
+are the deployed code; only the transport is a function call and time is virtual. Rounds are
+synchronous in virtual time: a round lasts as long as its slowest online peer needs to train
+(steps x its device's seconds per step) and push its models over its uplink (plus latency),
+using the simulator's device and availability models. Local training runs through the
+simulator's executors (vectorised with ``torch.func`` when the model allows), one job per
+online peer starting from that peer's own model, seeded as the deployed peer seeds it
+(:func:`~murmura.gossip.training_seed`).
+
+Two topologies of rounds:
+
+* ``epidemic``, ``ring``, ``k-regular``: every online peer trains, sends to its targets, mixes
+  what it received (de Vos et al., NeurIPS 2023);
+* ``modest``: a hash of (seed, round) samples ``sample_size`` trainers and ``aggregators``
+  aggregators from the membership; trainers send their trained models to the round's
+  aggregators, which average them (the configured rule) and send the result to the next
+  round's trainers (MoDeST, de Vos et al. 2023). A round none of whose aggregators is
+  online is lost and the next trainers continue from what they have.
+
+Failures: ``churn_per_round`` takes each peer offline for a round with that probability
+(hashed, reproducible); ``fail_fraction`` of the peers crash for good at ``fail_round``.
+A send to an offline peer fails and the sender drops it from its view, as a deployed peer does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from murmura.aggregation import create_aggregator
+from murmura.client.malicious import Attack
+from murmura.gossip import GossipConfig, PeerNode, modest_sample, training_seed
+from murmura.gossip.mixing import parse_options
+from murmura.gossip.topology import stable_hash
+from murmura.protocols import FlatVector, ModelSpec, PeerInfo, PeerModelHeader, serde
+from murmura.server.outputs import RunRecorder
+from murmura.simulation.attacks import check_attacks, poison_data
+from murmura.simulation.config import SimulationConfig
+from murmura.simulation.data import SimulationData, load_simulation_data
+from murmura.simulation.devices import AlwaysOn, Availability, Churn, DevicePopulation
+from murmura.simulation.execution import Executor, Job, LoopExecutor, default_workers
+from murmura.simulation.vectorised import VectorisationError, VectorisedExecutor
+from murmura.tasks import TaskConfig
+from murmura.tasks.models import seeded_init
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GossipFailures", "GossipResult", "GossipSimulation", "SybilFlood",
+           "evaluate_many", "peer_id", "simulate_gossip"]
+
+
+def peer_id(index: int) -> str:
+    """The id of simulated peer ``index``, as ``murmura run --gossip`` names its peers."""
+    return f"peer-{index:03d}"
+
+
+@dataclass(frozen=True)
+class GossipFailures:
+    """Who is offline when: per-round churn and a one-off crash."""
+
+    churn_per_round: float = 0.0
+    fail_fraction: float = 0.0
+    fail_round: int = 0
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.churn_per_round < 1 and 0 <= self.fail_fraction < 1):
+            raise ValueError("churn_per_round and fail_fraction must lie in [0, 1)")
+        if self.fail_round < 0:
+            raise ValueError("fail_round must be >= 0")
+
+
+@dataclass(frozen=True)
+class SybilFlood:
+    """One attacker behind many identities (``peers``): every identity sends the attacker's
+    model (trained on its poisoned data), each with a little independent noise (``jitter``,
+    relative to the update's norm) so the clones are not byte-identical."""
+
+    peers: tuple[int, ...]
+    jitter: float = 0.05
+
+
+@dataclass
+class GossipResult:
+    rows: list[dict[str, Any]]
+    models: np.ndarray
+    summary: dict[str, Any]
+    wall_s: float
+    virtual_s: float
+    bytes_per_peer_round: float
+
+    @property
+    def final_accuracy(self) -> float | None:
+        return self.rows[-1].get("accuracy") if self.rows else None
+
+
+def evaluate_many(model_factory: Callable[[], torch.nn.Module], spec: ModelSpec,
+                  models: np.ndarray, x: np.ndarray, y: np.ndarray, *, chunk: int = 256
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(accuracy, loss) of each row of ``models`` on (x, y), vectorised with torch.func."""
+    from torch.func import functional_call, vmap
+
+    module = model_factory().eval()
+    xt, yt = torch.from_numpy(np.asarray(x, dtype=np.float32)), torch.from_numpy(y)
+    offsets = spec.offsets()
+    accs, losses = [], []
+    for start in range(0, len(models), chunk):
+        block = torch.from_numpy(np.ascontiguousarray(models[start:start + chunk]))
+        params = {t.name: block[:, off:off + t.numel].reshape(-1, *t.shape)
+                  for t, off in zip(spec.tensors, offsets, strict=True)}
+
+        def one(p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = functional_call(module, p, (xt,))
+            loss = torch.nn.functional.cross_entropy(logits, yt)
+            return (logits.argmax(-1) == yt).float().mean(), loss
+
+        with torch.no_grad():
+            a, loss = vmap(one)(params)
+        accs.append(a.numpy())
+        losses.append(loss.numpy())
+    return np.concatenate(accs).astype(np.float64), np.concatenate(losses).astype(np.float64)
+
+
+class GossipSimulation:
+    """Simulated peers (see the module docstring). :meth:`run` returns a :class:`GossipResult`.
+
+    ``attacks`` (by peer index) are the attacks a deployed peer runs (``murmura peer
+    --attack``): their data transform poisons the peer's share, their update transform each
+    update. ``sybils`` floods the network with one attacker's clones. ``targets`` lists
+    (source, target) label pairs whose flip rate on honest peers' models is reported as
+    ``attack_success``.
+    """
+
+    def __init__(self, task: TaskConfig, gossip: GossipConfig, sim: SimulationConfig, *,
+                 failures: GossipFailures | None = None, data: SimulationData | None = None,
+                 executor: Executor | None = None, out_dir: str | Path | None | bool = True,
+                 progress: Callable[[dict[str, Any]], None] | None = None,
+                 attacks: Mapping[int, Attack] | None = None, sybils: SybilFlood | None = None,
+                 attack_pair: tuple[int, int] | None = None, eval_every: int = 1) -> None:
+        if gossip.seed_mode:
+            raise ValueError("seed mode runs on real peers only for now (murmura run --gossip "
+                             "--seed-mode); the simulator trains first-order")
+        self.task_config, self.gossip, self.sim = task, gossip, sim
+        self.failures = failures or GossipFailures()
+        n = sim.clients
+        self.data = data if data is not None else load_simulation_data(task, sim)
+        self.attacks = check_attacks(attacks, n)
+        self.data = poison_data(self.data, self.attacks)
+        self.sybils = sybils
+        self.sybil_set = set(sybils.peers) if sybils else set()
+        self.attack_pair = attack_pair
+        self.eval_every = max(1, eval_every)
+        self.settings = gossip.settings()
+        self.out_dir = Path(sim.out) if out_dir is True else (Path(out_dir) if out_dir else None)
+        self.progress = progress
+        factory = self.data.task.model_factory
+        start_module = seeded_init(factory, gossip.seed)
+        self.spec = ModelSpec.from_module(start_module)
+        start = self.spec.flatten(start_module)
+        self.ids = [peer_id(i) for i in range(n)]
+        self.nodes = [PeerNode(self.ids[i], self.spec, gossip, start,
+                               address=f"sim:{i}", num_peers=n) for i in range(n)]
+        self.index = {pid: i for i, pid in enumerate(self.ids)}
+        self.devices = DevicePopulation.sample(
+            n, seed=gossip.seed, step_time_s=sim.step_time_s, speed_spread=sim.speed_spread,
+            uplink_mbps=sim.uplink_mbps, downlink_mbps=sim.downlink_mbps,
+            latency_ms=sim.latency_ms, bandwidth_spread=sim.bandwidth_spread)
+        self.availability: Availability = (
+            Churn(n, mean_online_s=sim.mean_online_s, mean_offline_s=sim.mean_offline_s,
+                  seed=gossip.seed) if sim.availability == "churn" else AlwaysOn())
+        self._online_state = np.ones(n, dtype=bool)
+        self._online_until = np.full(n, math.inf)
+        for i in range(n):
+            state, until = self.availability.initial(i)
+            self._online_state[i], self._online_until[i] = state, until
+        sizes = self.data.sizes()
+        b = self.settings.batch_size
+        self.steps = (np.full(n, self.settings.local_steps) if self.settings.local_steps
+                      else self.settings.local_epochs * ((sizes + b - 1) // b))
+        self.executor = executor or self._choose_executor()
+        header = PeerModelHeader(sender=PeerInfo(self.ids[-1], "127.0.0.1:50000", 99999, 0),
+                                 message_id="x" * 12, round=99999, num_examples=int(sizes.max()),
+                                 codec="dense-f32", payload_bytes=self.spec.nbytes,
+                                 spec_fingerprint=self.spec.fingerprint())
+        # the bytes a deployed peer puts on the wire per model push (header + framed chunks)
+        self.push_bytes = serde.peer_model_header_to_proto(header).ByteSize() + 2 + sum(
+            serde.data_chunk_wire_bytes(min(serde.CHUNK_BYTES, self.spec.nbytes - s))
+            for s in range(0, self.spec.nbytes, serde.CHUNK_BYTES))
+        self.time_s = 0.0
+        self.bytes_sent = 0
+        self.rows: list[dict[str, Any]] = []
+        self.recorder = None
+        if self.out_dir is not None:
+            (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)
+            self.recorder = RunRecorder(self.out_dir, config={
+                "task": asdict(task), "gossip": asdict(gossip), "simulation": asdict(sim),
+                "failures": asdict(self.failures)})
+        self._crashed = self._crash_set()
+        self._was_online = np.ones(n, dtype=bool)
+        # modest: the round of the aggregate each peer holds, and the latest aggregate's
+        # (round, aggregators that hold it)
+        self._has = np.zeros(n, dtype=np.int64)
+        self._latest: tuple[int, list[int]] = (0, [])
+        self._attacker_model: FlatVector | None = None
+        self._jitter_rng = np.random.default_rng([gossip.seed, 0x5B1])
+        self._rng = random.Random(gossip.seed)
+        self._bootstrap()
+
+    # -- set-up
+
+    def _choose_executor(self) -> Executor:
+        d = self.data
+        if self.sim.vectorise != "off" and self.sim.executor in ("auto", "vmap"):
+            try:
+                ex = VectorisedExecutor(d.task.model_factory, d.train, d.shares,
+                                        chunk_size=self.sim.chunk_size)
+                ex.probe(self.settings)
+                return ex
+            except VectorisationError as exc:
+                log.warning("vectorised training unavailable (%s); using a loop", exc)
+        return LoopExecutor(d.task.model_factory, d.train, d.shares)
+
+    def _bootstrap(self) -> None:
+        """Peers join through peer 0, then shuffle a few times, as deployed peers do before
+        their first round (their views start bounded and random)."""
+        first = self.nodes[0]
+        for node in self.nodes[1:]:
+            reply = first.shuffle_answer(node.me(), [])
+            node.heard_from(first.me())
+            node.merge(reply)
+        for _ in range(max(3, math.ceil(math.log2(len(self.nodes) + 1)))):
+            for node in self.nodes:
+                self._shuffle(node, tick=False)
+
+    def _crash_set(self) -> set[int]:
+        f = self.failures
+        if not f.fail_fraction:
+            return set()
+        ranked = sorted(range(len(self.nodes)),
+                        key=lambda i: stable_hash(self.gossip.seed, "crash", i))
+        return set(ranked[: int(round(f.fail_fraction * len(self.nodes)))])
+
+    def online(self, round_: int) -> np.ndarray:
+        """Which peers take part in ``round_``."""
+        n = len(self.nodes)
+        on = np.ones(n, dtype=bool)
+        if not isinstance(self.availability, AlwaysOn):
+            for i in range(n):
+                while self._online_until[i] <= self.time_s:
+                    self._online_state[i] = not self._online_state[i]
+                    self._online_until[i] = self.availability.next_transition(
+                        i, self._online_until[i], bool(self._online_state[i]))
+                on[i] = self._online_state[i]
+        f = self.failures
+        if f.churn_per_round:
+            draw = np.array([stable_hash(self.gossip.seed, "churn", round_, i) / 2**64
+                             for i in range(n)])
+            on &= draw >= f.churn_per_round
+        if self._crashed and round_ >= f.fail_round:
+            on[list(self._crashed)] = False
+        return on
+
+    # -- one round
+
+    def _shuffle(self, node: PeerNode, *, tick: bool = True,
+                 online: np.ndarray | None = None) -> None:
+        partner, offer = node.shuffle_start(tick=tick)
+        if partner is None:
+            return
+        j = self.index[partner.peer_id]
+        if online is not None and not online[j]:
+            node.mark_dead(partner.peer_id, partner.address)
+            return
+        other = self.nodes[j]
+        reply = other.shuffle_answer(node.me(), offer)
+        node.heard_from(other.me())
+        node.merge(reply)
+        if node.sybil is not None:
+            other.take_history(node.history_offer(self._rng))
+            node.take_history(other.history_offer(self._rng))
+
+    def _train(self, peers: list[int], round_: int) -> dict[int, tuple[FlatVector, int]]:
+        jobs = [Job(i, self.nodes[i].model, training_seed(self.gossip.seed, self.ids[i], round_))
+                for i in peers]
+        results = self.executor.run(jobs, self.settings) if jobs else []
+        out: dict[int, tuple[FlatVector, int]] = {}
+        for i, r in zip(peers, results, strict=True):
+            model = np.asarray(r.params, dtype=np.float32)
+            attack = self.attacks.get(i)
+            if attack is not None and attack.update is not None:
+                base = self.nodes[i].model
+                model = (base + attack.update(model - base)).astype(np.float32)
+            out[i] = (model, r.num_examples)
+        if self.sybil_set:
+            self._clone(out)
+        return out
+
+    def _clone(self, trained: dict[int, tuple[FlatVector, int]]) -> None:
+        """Every Sybil identity sends the attacker's one model (with a little jitter)."""
+        sybils = sorted(i for i in trained if i in self.sybil_set)
+        if not sybils:
+            return
+        lead = sybils[0]
+        base = self.nodes[lead].model
+        update = trained[lead][0] - base
+        scale = float(np.linalg.norm(update)) / math.sqrt(update.size) * self.sybils.jitter \
+            if self.sybils else 0.0
+        for i in sybils:
+            noise = self._jitter_rng.standard_normal(update.size).astype(np.float32) * scale
+            trained[i] = ((base + update + noise).astype(np.float32), trained[lead][1])
+
+    def step(self, round_: int) -> dict[str, Any]:
+        on = self.online(round_)
+        if self.gossip.topology == "modest":
+            sent, train_s = self._modest_round(round_, on)
+        else:
+            sent, train_s = self._epidemic_round(round_, on)
+        self.bytes_sent += sent * self.push_bytes
+        self.time_s += train_s
+        row: dict[str, Any] = {"version": round_ + 1, "round": round_ + 1,
+                               "peers": int(on.sum()), "bytes_up": self.bytes_sent,
+                               "updates": sent, "time_s": self.time_s,
+                               "bytes_per_peer": sent * self.push_bytes / max(int(on.sum()), 1)}
+        if (round_ + 1) % self.eval_every == 0 or round_ + 1 == self.gossip.rounds:
+            row.update(self.evaluate(round_, on))
+        return row
+
+    def _round_time(self, peers: list[int], sends: dict[int, int]) -> float:
+        d = self.devices
+        times = [self.steps[i] * d.step_time_s[i] + sends.get(i, 0) * self.push_bytes
+                 / d.uplink_bytes_per_s[i] + 2 * d.latency_s[i] for i in peers]
+        return float(max(times, default=0.0))
+
+    def _epidemic_round(self, round_: int, on: np.ndarray) -> tuple[int, float]:
+        live = [i for i in range(len(self.nodes)) if on[i]]
+        for i in live:
+            self.nodes[i].round = round_
+        trained = self._train(live, round_)
+        for i in live:
+            self.nodes[i].model = trained[i][0]
+        sends: dict[int, int] = {}
+        for i in live:
+            node = self.nodes[i]
+            me = node.me()
+            for t in node.targets(round_):
+                j = self.index[t]
+                sends[i] = sends.get(i, 0) + 1
+                if not on[j]:
+                    node.mark_dead(t, f"sim:{j}")
+                    continue
+                self.nodes[j].receive(me.peer_id, round_, "", trained[i][0], trained[i][1])
+                self.nodes[j].heard_from(me)
+        for i in live:
+            node = self.nodes[i]
+            if i not in self.sybil_set:
+                node.mix()
+            else:
+                node.inbox.clear()
+            node.advance(round_)
+        for i in live:
+            self._shuffle(self.nodes[i], online=on)
+        return sum(sends.values()), self._round_time(live, sends)
+
+    def _modest_round(self, round_: int, on: np.ndarray) -> tuple[int, float]:
+        g = self.gossip
+        # membership as a failure detector with one round of delay sees it: the peers that
+        # took part in the previous round (every peer at the start)
+        members = [self.ids[i] for i in range(len(self.nodes)) if self._was_online[i]]
+        self._was_online = on.copy()
+        # MoDeST replaces sampled peers that do not answer by the next ones in the hash
+        # ranking: the round's trainers and aggregators are the first online peers in it
+        def first_online(role: str, k: int, candidates: list[str], alive: np.ndarray
+                         ) -> list[int]:
+            ranked = modest_sample(round_ if role != "next" else round_ + 1, candidates,
+                                   len(candidates), seed=g.seed,
+                                   role="train" if role == "next" else role)
+            return [self.index[p] for p in ranked if alive[self.index[p]]][:k]
+
+        trainers = first_online("train", g.sample_size, members, on)
+        aggs = first_online("aggregate", g.aggregators, members, on)
+        live_trainers = [i for i in trainers if on[i]]
+        pulls = self._modest_fetch(live_trainers, on)
+        trained = self._train(live_trainers, round_)
+        sends = {i: sum(1 for a in aggs if a != i) for i in live_trainers}
+        models = [trained[i] for i in sorted(live_trainers)]
+        next_members = [self.ids[i] for i in range(len(self.nodes)) if on[i]]
+        nxt = first_online("next", g.sample_size, next_members, on)
+        results = []
+        for a in aggs:
+            if not on[a] or not models:
+                continue
+            agg = create_aggregator(g.rule, self.spec.size, **parse_options(g.rule_options))
+            for (m, n_ex), i in zip(models, sorted(live_trainers), strict=True):
+                agg.add(m, float(n_ex), client_id=self.ids[i])
+            model = agg.result().astype(np.float32)
+            self.nodes[a].model = model
+            results.append(model)
+            sends[a] = sends.get(a, 0) + sum(1 for t in nxt if t != a)
+        if results:
+            merged = np.mean(np.stack(results), axis=0).astype(np.float32)
+            for t in nxt:
+                if on[t]:
+                    self.nodes[t].model = merged.copy()
+                    self._has[t] = round_ + 1
+            self._modest_model = merged
+            self._latest = (round_ + 1, [a for a in aggs if on[a]])
+        for i in range(len(self.nodes)):
+            self.nodes[i].round = round_ + 1
+        return sum(sends.values()) + pulls, self._round_time(live_trainers + aggs, sends)
+
+    def _modest_fetch(self, trainers: list[int], on: np.ndarray) -> int:
+        """A trainer whose model is older than the latest aggregate pulls it from one of the
+        aggregators that made it, if one is online (as MoDeST's participants do); returns the
+        number of model transfers."""
+        version, holders = self._latest
+        pulls = 0
+        for t in trainers:
+            if self._has[t] >= version:
+                continue
+            source = next((a for a in holders if on[a]), None)
+            if source is None:
+                continue
+            self.nodes[t].model = self.nodes[source].model.copy()
+            self._has[t] = version
+            pulls += 1
+        return pulls
+
+    # -- metrics
+
+    def evaluate(self, round_: int, on: np.ndarray) -> dict[str, Any]:
+        test = self.data.task.test
+        honest = [i for i in range(len(self.nodes)) if i not in self.sybil_set
+                  and i not in self.attacks]
+        if self.gossip.topology == "modest":
+            model = getattr(self, "_modest_model", self.nodes[0].model)
+            stack = model[None, :]
+        else:
+            stack = np.stack([self.nodes[i].model for i in honest])
+        acc, loss = evaluate_many(self.data.task.model_factory, self.spec, stack, test.x, test.y)
+        mean = stack.astype(np.float64).mean(axis=0)
+        out: dict[str, Any] = {
+            "accuracy": float(acc.mean()), "accuracy_min": float(acc.min()),
+            "accuracy_max": float(acc.max()), "loss": float(loss.mean()),
+            "consensus_distance": float(np.sqrt(((stack - mean) ** 2).sum(axis=1).mean())),
+        }
+        if self.attack_pair is not None:
+            src, dst = self.attack_pair
+            mask = test.y == src
+            x_src = test.x[mask]
+            y_dst = np.full(int(mask.sum()), dst, dtype=np.int64)
+            flipped, _ = evaluate_many(self.data.task.model_factory, self.spec, stack, x_src,
+                                       y_dst)
+            out["attack_success"] = float(flipped.mean())
+        return out
+
+    def run(self) -> GossipResult:
+        threads = self.sim.threads or default_workers()
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        try:
+            for r in range(self.gossip.rounds):
+                row = self.step(r)
+                self.rows.append(row)
+                if self.recorder is not None:
+                    self.recorder.record(row)
+                if self.progress is not None and "accuracy" in row:
+                    self.progress(row)
+        finally:
+            torch.set_num_threads(previous)
+            self.executor.close()
+        wall = time.perf_counter() - t0
+        rounds = max(len(self.rows), 1)
+        per_peer = self.bytes_sent / rounds / max(len(self.nodes), 1)
+        last = self.rows[-1] if self.rows else {}
+        extra = {"wall_s": wall, "virtual_s": self.time_s, "peers": len(self.nodes),
+                 "rounds": len(self.rows), "bytes_per_peer_round": per_peer,
+                 "push_bytes": self.push_bytes,
+                 "final_accuracy_min": last.get("accuracy_min"),
+                 "final_consensus_distance": last.get("consensus_distance")}
+        summary = (self.recorder.finish(extra) if self.recorder is not None
+                   else {"final_accuracy": last.get("accuracy"), **extra})
+        return GossipResult(self.rows, np.stack([n.model for n in self.nodes]), summary, wall,
+                            self.time_s, per_peer)
+
+
+def simulate_gossip(task: TaskConfig | None = None, gossip: GossipConfig | None = None,
+                    sim: SimulationConfig | None = None, **kwargs: Any) -> GossipResult:
+    """Simulate gossip learning: ``murmura simulate --gossip`` from Python."""
+    return GossipSimulation(task or TaskConfig(), gossip or GossipConfig(),
+                            sim or SimulationConfig(), **kwargs).run()
+
+

@@ -1,0 +1,93 @@
+"""PeerNode: what a peer accepts, how it mixes, and that a refusal changes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from murmura.aggregation import SybilWeighting
+from murmura.gossip import FailedPrecondition, GossipConfig, InvalidArgument, PeerNode, mix
+from murmura.protocols import ModelSpec, TensorSpec
+
+SPEC = ModelSpec((TensorSpec("w", (8,)),))
+
+
+def node(**kw: object) -> PeerNode:
+    return PeerNode("me", SPEC, GossipConfig(**kw), np.zeros(8, np.float32))  # type: ignore[arg-type]
+
+
+def test_fedavg_mixing_is_the_mean_of_own_and_received_models() -> None:
+    n = node()
+    n.receive("a", 0, "m1", np.full(8, 3.0, np.float32))
+    n.receive("b", 0, "m2", np.full(8, 6.0, np.float32))
+
+    assert n.mix() == 2
+    np.testing.assert_allclose(n.model, np.full(8, 3.0))
+    assert not n.inbox
+
+
+def test_a_retried_message_is_taken_once() -> None:
+    n = node()
+    assert n.receive("a", 0, "m1", np.ones(8, np.float32))
+    assert not n.receive("a", 0, "m1", np.ones(8, np.float32))
+
+
+@pytest.mark.parametrize(("model", "error", "match"), [
+    (np.full(8, np.nan, np.float32), InvalidArgument, "non-finite"),
+    (np.ones(9, np.float32), InvalidArgument, "expected 8"),
+])
+def test_bad_models_are_refused_and_change_nothing(model: np.ndarray, error: type,
+                                                   match: str) -> None:
+    n = node()
+    n.receive("ok", 0, "m0", np.ones(8, np.float32))
+    with pytest.raises(error, match=match):
+        n.receive("bad", 0, "m1", model)
+    assert set(n.inbox) == {"ok"}
+    np.testing.assert_array_equal(n.model, np.zeros(8))
+
+
+def test_wrong_spec_and_stale_rounds_are_refused_by_header() -> None:
+    n = node(max_round_lag=2)
+    n.round = 10
+    with pytest.raises(FailedPrecondition, match="model spec"):
+        n.check_model("a", 10, 1, "0123456789abcdef")
+    with pytest.raises(FailedPrecondition, match="stale"):
+        n.check_model("a", 7, 1, n.fingerprint)
+    with pytest.raises(InvalidArgument, match="implausible"):
+        n.check_model("a", 10**9, 1, n.fingerprint)
+
+
+def test_sybil_weighting_mutes_clones_and_keeps_own_weight_one(rng: np.random.Generator) -> None:
+    size = 4096
+    own = np.zeros(size, np.float32)
+    honest = [rng.standard_normal(size).astype(np.float32) for _ in range(3)]
+    attack = rng.standard_normal(size).astype(np.float32) * 5
+    clones = [attack + 0.01 * rng.standard_normal(size).astype(np.float32) for _ in range(6)]
+    received = [(f"h{i}", m) for i, m in enumerate(honest)] + \
+        [(f"s{i}", m) for i, m in enumerate(clones)]
+    scorer = SybilWeighting(size, dim=256)
+
+    out = mix(own, received, sybil=scorer)
+
+    np.testing.assert_allclose(out, np.mean([own, *honest], axis=0), atol=1e-5)
+    plain = mix(own, received)
+    assert np.linalg.norm(plain - attack) < np.linalg.norm(out - attack)
+
+
+def test_history_gossip_is_bounded_and_drops_malformed_records() -> None:
+    import random
+
+    sender = node(sybil=True, history_share=4, history_records=6)
+    for i in range(10):
+        sender.receive(f"p{i}", 0, f"m{i}", np.full(8, float(i), np.float32))
+    assert len(sender.records) == 6  # oldest dropped
+
+    offer = sender.history_offer(random.Random(0))
+    assert len(offer) == 4
+    receiver = PeerNode("other", SPEC, GossipConfig(sybil=True, history_share=4),
+                        np.zeros(8, np.float32))
+    dim = receiver.sybil.dim  # type: ignore[union-attr]
+    bad = [("other", 0, np.ones(dim)), ("x", 0, np.ones(3)), ("y", 0, np.full(dim, np.nan))]
+    assert receiver.take_history(bad) == 0
+    assert receiver.take_history(offer) == 4
+    assert receiver.take_history(offer) == 0  # already known

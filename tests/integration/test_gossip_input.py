@@ -1,0 +1,144 @@
+"""A peer refuses bad input over real gRPC with a precise status; its model is untouched."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from murmura.client import TorchTrainer
+from murmura.gossip import GossipConfig, GrpcPeerTransport, PeerRuntime
+from murmura.protocols import PeerInfo, PeerModelHeader, serde
+from murmura.protocols import murmura_pb2 as pb
+from murmura.tasks import ArrayDataset
+
+pytestmark = pytest.mark.integration
+
+
+def _runtime(peer_id: str) -> PeerRuntime:
+    torch.manual_seed(0)
+    data = ArrayDataset(np.zeros((8, 4), np.float32), np.zeros(8, np.int64))
+    trainer = TorchTrainer(torch.nn.Linear(4, 2), data, device="cpu")
+    return PeerRuntime(GrpcPeerTransport("127.0.0.1:0", timeout_s=5), trainer, peer_id=peer_id,
+                       config=GossipConfig(rounds=1))
+
+
+@pytest.fixture
+def peers() -> Iterator[Callable[[str], PeerRuntime]]:
+    """peers(id) -> a serving peer (no rounds run); every peer is stopped at teardown."""
+    started: list[PeerRuntime] = []
+
+    def start(peer_id: str) -> PeerRuntime:
+        rt = _runtime(peer_id)
+        rt.start()
+        started.append(rt)
+        return rt
+
+    yield start
+    for rt in started:
+        rt.close()
+
+
+def _push(address: str, items: list[pb.PeerChunk]) -> pb.PeerPushReply:
+    with grpc.insecure_channel(address) as channel:
+        push = channel.stream_unary("/murmura.v1.Peer/PushModel",
+                                    request_serializer=pb.PeerChunk.SerializeToString,
+                                    response_deserializer=pb.PeerPushReply.FromString)
+        return push(iter(items), timeout=5)
+
+
+def _items(rt: PeerRuntime, model: np.ndarray, *, sender: str = "other",
+           address: str = "127.0.0.1:1", fingerprint: str | None = None,
+           announced: int | None = None, message_id: str = "m1") -> list[pb.PeerChunk]:
+    payload = model.astype(np.float32).tobytes()
+    header = PeerModelHeader(sender=PeerInfo(sender, address), message_id=message_id, round=0,
+                             num_examples=1, codec="dense-f32",
+                             payload_bytes=len(payload) if announced is None else announced,
+                             spec_fingerprint=rt.node.fingerprint if fingerprint is None
+                             else fingerprint)
+    return [pb.PeerChunk(header=serde.peer_model_header_to_proto(header)),
+            pb.PeerChunk(data=payload)]
+
+
+def _refused(rt: PeerRuntime, items: list[pb.PeerChunk]) -> grpc.RpcError:
+    before = rt.node.model.copy()
+    with pytest.raises(grpc.RpcError) as info:
+        _push(rt.address, items)
+    np.testing.assert_array_equal(rt.node.model, before)
+    assert not rt.node.inbox
+    return info.value
+
+
+def test_a_valid_model_is_taken_and_a_retry_is_a_duplicate(peers) -> None:
+    rt = peers("me")
+    items = _items(rt, np.ones(rt.spec.size))
+
+    assert not _push(rt.address, items).duplicate
+    assert _push(rt.address, items).duplicate
+    assert set(rt.node.inbox) == {"other"}
+
+
+@pytest.mark.parametrize(("case", "code", "match"), [
+    ("nan", grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
+    ("short", grpc.StatusCode.INVALID_ARGUMENT, "does not decode"),
+    ("spec", grpc.StatusCode.FAILED_PRECONDITION, "model spec"),
+    ("oversized", grpc.StatusCode.INVALID_ARGUMENT, "at most"),
+    ("more-than-announced", grpc.StatusCode.INVALID_ARGUMENT, "more than"),
+    ("no-header", grpc.StatusCode.INVALID_ARGUMENT, "must begin with"),
+    ("own-id", grpc.StatusCode.PERMISSION_DENIED, "own id"),
+    ("bad-id", grpc.StatusCode.INVALID_ARGUMENT, "printable"),
+])
+def test_bad_pushes_get_a_precise_status_and_change_nothing(peers, case: str,
+                                                            code: grpc.StatusCode,
+                                                            match: str) -> None:
+    rt = peers("me")
+    size = rt.spec.size
+    items = {
+        "nan": lambda: _items(rt, np.full(size, np.nan)),
+        "short": lambda: _items(rt, np.ones(size - 1)),
+        "spec": lambda: _items(rt, np.ones(size), fingerprint="0" * 16),
+        "oversized": lambda: _items(rt, np.ones(size), announced=1 << 30),
+        "more-than-announced": lambda: _items(rt, np.ones(size), announced=8),
+        "no-header": lambda: _items(rt, np.ones(size))[1:],
+        "own-id": lambda: _items(rt, np.ones(size), sender="me"),
+        "bad-id": lambda: _items(rt, np.ones(size), sender="x\n" * 100),
+    }[case]()
+
+    err = _refused(rt, items)
+
+    assert err.code() == code
+    assert match in err.details() and len(err.details()) < 200
+    assert not _push(rt.address, _items(rt, np.ones(size))).duplicate  # still serving
+
+
+def test_a_peer_claiming_a_live_peers_id_is_refused_and_a_dead_ones_rebinds(peers) -> None:
+    victim, receiver = peers("victim"), peers("receiver")
+    transport = GrpcPeerTransport(timeout_s=5)
+    try:  # the victim introduces itself: its id is bound to its address
+        transport.exchange(receiver.address, victim.node.me(), [], receiver.node.fingerprint)
+    finally:
+        transport.stop()
+
+    err = _refused(receiver, _items(receiver, np.ones(receiver.spec.size), sender="victim",
+                                    address="127.0.0.1:9"))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "bound to another live address" in err.details()
+
+    victim.close()  # the victim is gone: a restarted peer may take its id at a new address
+    _push(receiver.address, _items(receiver, np.ones(receiver.spec.size), sender="victim",
+                                   address="127.0.0.1:9"))
+    assert receiver.identity.address_of("victim") == "127.0.0.1:9"
+
+
+def test_an_exchange_with_another_model_spec_is_refused(peers) -> None:
+    rt = peers("me")
+    transport = GrpcPeerTransport(timeout_s=5)
+    try:
+        with pytest.raises(Exception, match="FAILED_PRECONDITION"):
+            transport.exchange(rt.address, PeerInfo("x", "127.0.0.1:1"), [], "f" * 16)
+    finally:
+        transport.stop()
+    assert len(rt.node.view) == 0
