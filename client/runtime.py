@@ -7,6 +7,7 @@ keeps its update id, so the server counts it once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -159,7 +160,7 @@ class ClientRuntime:
                     if task.retry_after_s > 0 and self.wait_s == 0:
                         self.sleep(task.retry_after_s)
                     continue
-                self.step(task.round, task.seed)
+                self.step(task.round, task.seed, local_steps=task.local_steps)
         finally:
             try:
                 if self.session:
@@ -193,12 +194,18 @@ class ClientRuntime:
         assert self._pool_base is not None
         return version, pool_model(self._pool_base[1], pool, scalars)
 
-    def step(self, round_: int, seed: int) -> None:
-        """One task: pull the current model, train, push the update."""
+    def step(self, round_: int, seed: int, *, local_steps: int = 0) -> None:
+        """One task: pull the current model, train, push the update.
+
+        ``local_steps`` > 0 is the server's per-task assignment (FedCompass gives faster
+        devices more steps); it replaces the join settings' own amount of local work.
+        """
         assert self.settings is not None and self._encoder is not None
+        settings = (dataclasses.replace(self.settings, local_steps=local_steps) if local_steps
+                    else self.settings)
         version, base = self._pull()
         self.trainer.on_pull(version)
-        result = self.trainer.train(base, self.settings, seed=seed)  # reads, never writes base
+        result = self.trainer.train(base, settings, seed=seed)  # reads, never writes base
         if result.encoded is not None:
             codec, payload = result.encoded
         else:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmurmura/protocols/murmura.proto\x12\nmurmura.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"4\n\tModelSpec\x12\'\n\x07tensors\x18\x01 \x03(\x0b\x32\x16.murmura.v1.TensorSpec\"\xd5\x01\n\rDeviceProfile\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x03\x12\x13\n\x0bsteps_per_s\x18\x04 \x01(\x01\x12\x11\n\tcpu_count\x18\x05 \x01(\x05\x12\x33\n\x05\x65xtra\x18\x06 \x03(\x0b\x32$.murmura.v1.DeviceProfile.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa1\x02\n\x0cTaskSettings\x12\x0f\n\x07trainer\x18\x01 \x01(\t\x12\x14\n\x0clocal_epochs\x18\x02 \x01(\x05\x12\x13\n\x0blocal_steps\x18\x03 \x01(\x05\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\x12\n\n\x02lr\x18\x05 \x01(\x01\x12\x10\n\x08momentum\x18\x06 \x01(\x01\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x41\n\rcodec_options\x18\x08 \x03(\x0b\x32*.murmura.v1.TaskSettings.CodecOptionsEntry\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x0e\n\x06zo_eps\x18\n \x01(\x01\x1a\x33\n\x11\x43odecOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"u\n\x0bJoinRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12*\n\x07profile\x18\x02 \x01(\x0b\x32\x19.murmura.v1.DeviceProfile\x12\r\n\x05token\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\"\x96\x01\n\tJoinReply\x12\x0f\n\x07session\x18\x01 \x01(\t\x12*\n\x08settings\x18\x02 \x01(\x0b\x32\x18.murmura.v1.TaskSettings\x12#\n\x04spec\x18\x03 \x01(\x0b\x32\x15.murmura.v1.ModelSpec\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x19\n\x11max_payload_bytes\x18\x05 \x01(\x03\".\n\x0bTaskRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\"\xa7\x01\n\tTaskReply\x12,\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1c.murmura.v1.TaskReply.Action\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x15\n\rretry_after_s\x18\x04 \x01(\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"\'\n\x06\x41\x63tion\x12\x08\n\x04WAIT\x10\x00\x12\t\n\x05TRAIN\x10\x01\x12\x08\n\x04STOP\x10\x02\"~\n\x0bPullRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.murmura.v1.PullRequest.Kind\"2\n\x04Kind\x12\t\n\x05MODEL\x10\x00\x12\r\n\tPOOL_BASE\x10\x01\x12\x10\n\x0cPOOL_SCALARS\x10\x02\"\x7f\n\x0bModelHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.murmura.v1.ModelSpec\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x03\"O\n\nModelChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.murmura.v1.ModelHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x95\x02\n\x0cUpdateHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tupdate_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x14\n\x0cnum_examples\x18\x05 \x01(\x03\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x03\x12\x36\n\x07metrics\x18\x08 \x03(\x0b\x32%.murmura.v1.UpdateHeader.MetricsEntry\x12\x18\n\x10spec_fingerprint\x18\t \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"Q\n\x0bUpdateChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.murmura.v1.UpdateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"B\n\tPushReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tstaleness\x18\x03 \x01(\x03\"/\n\x0cLeaveRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0c\n\nLeaveReply2\xaf\x02\n\nAggregator\x12\x36\n\x04Join\x12\x17.murmura.v1.JoinRequest\x1a\x15.murmura.v1.JoinReply\x12\x39\n\x07GetTask\x12\x17.murmura.v1.TaskRequest\x1a\x15.murmura.v1.TaskReply\x12\x39\n\x04Pull\x12\x17.murmura.v1.PullRequest\x1a\x16.murmura.v1.ModelChunk0\x01\x12\x38\n\x04Push\x12\x17.murmura.v1.UpdateChunk\x1a\x15.murmura.v1.PushReply(\x01\x12\x39\n\x05Leave\x12\x18.murmura.v1.LeaveRequest\x1a\x16.murmura.v1.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmurmura/protocols/murmura.proto\x12\nmurmura.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"4\n\tModelSpec\x12\'\n\x07tensors\x18\x01 \x03(\x0b\x32\x16.murmura.v1.TensorSpec\"\xd5\x01\n\rDeviceProfile\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x03\x12\x13\n\x0bsteps_per_s\x18\x04 \x01(\x01\x12\x11\n\tcpu_count\x18\x05 \x01(\x05\x12\x33\n\x05\x65xtra\x18\x06 \x03(\x0b\x32$.murmura.v1.DeviceProfile.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa1\x02\n\x0cTaskSettings\x12\x0f\n\x07trainer\x18\x01 \x01(\t\x12\x14\n\x0clocal_epochs\x18\x02 \x01(\x05\x12\x13\n\x0blocal_steps\x18\x03 \x01(\x05\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\x12\n\n\x02lr\x18\x05 \x01(\x01\x12\x10\n\x08momentum\x18\x06 \x01(\x01\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x41\n\rcodec_options\x18\x08 \x03(\x0b\x32*.murmura.v1.TaskSettings.CodecOptionsEntry\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x0e\n\x06zo_eps\x18\n \x01(\x01\x1a\x33\n\x11\x43odecOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"u\n\x0bJoinRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12*\n\x07profile\x18\x02 \x01(\x0b\x32\x19.murmura.v1.DeviceProfile\x12\r\n\x05token\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\r\"\x96\x01\n\tJoinReply\x12\x0f\n\x07session\x18\x01 \x01(\t\x12*\n\x08settings\x18\x02 \x01(\x0b\x32\x18.murmura.v1.TaskSettings\x12#\n\x04spec\x18\x03 \x01(\x0b\x32\x15.murmura.v1.ModelSpec\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x19\n\x11max_payload_bytes\x18\x05 \x01(\x03\".\n\x0bTaskRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06wait_s\x18\x02 \x01(\x01\"\xbc\x01\n\tTaskReply\x12,\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1c.murmura.v1.TaskReply.Action\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x15\n\rretry_after_s\x18\x04 \x01(\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x13\n\x0blocal_steps\x18\x06 \x01(\r\"\'\n\x06\x41\x63tion\x12\x08\n\x04WAIT\x10\x00\x12\t\n\x05TRAIN\x10\x01\x12\x08\n\x04STOP\x10\x02\"~\n\x0bPullRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.murmura.v1.PullRequest.Kind\"2\n\x04Kind\x12\t\n\x05MODEL\x10\x00\x12\r\n\tPOOL_BASE\x10\x01\x12\x10\n\x0cPOOL_SCALARS\x10\x02\"\x7f\n\x0bModelHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12#\n\x04spec\x18\x02 \x01(\x0b\x32\x15.murmura.v1.ModelSpec\x12\r\n\x05\x63odec\x18\x03 \x01(\t\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x03\"O\n\nModelChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.murmura.v1.ModelHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x95\x02\n\x0cUpdateHeader\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x11\n\tupdate_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x14\n\x0cnum_examples\x18\x05 \x01(\x03\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x03\x12\x36\n\x07metrics\x18\x08 \x03(\x0b\x32%.murmura.v1.UpdateHeader.MetricsEntry\x12\x18\n\x10spec_fingerprint\x18\t \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"Q\n\x0bUpdateChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.murmura.v1.UpdateHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"B\n\tPushReply\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tstaleness\x18\x03 \x01(\x03\"/\n\x0cLeaveRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0c\n\nLeaveReply2\xaf\x02\n\nAggregator\x12\x36\n\x04Join\x12\x17.murmura.v1.JoinRequest\x1a\x15.murmura.v1.JoinReply\x12\x39\n\x07GetTask\x12\x17.murmura.v1.TaskRequest\x1a\x15.murmura.v1.TaskReply\x12\x39\n\x04Pull\x12\x17.murmura.v1.PullRequest\x1a\x16.murmura.v1.ModelChunk0\x01\x12\x38\n\x04Push\x12\x17.murmura.v1.UpdateChunk\x1a\x15.murmura.v1.PushReply(\x01\x12\x39\n\x05Leave\x12\x18.murmura.v1.LeaveRequest\x1a\x16.murmura.v1.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -56,29 +56,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASKREQUEST']._serialized_start=939
   _globals['_TASKREQUEST']._serialized_end=985
   _globals['_TASKREPLY']._serialized_start=988
-  _globals['_TASKREPLY']._serialized_end=1155
-  _globals['_TASKREPLY_ACTION']._serialized_start=1116
-  _globals['_TASKREPLY_ACTION']._serialized_end=1155
-  _globals['_PULLREQUEST']._serialized_start=1157
-  _globals['_PULLREQUEST']._serialized_end=1283
-  _globals['_PULLREQUEST_KIND']._serialized_start=1233
-  _globals['_PULLREQUEST_KIND']._serialized_end=1283
-  _globals['_MODELHEADER']._serialized_start=1285
-  _globals['_MODELHEADER']._serialized_end=1412
-  _globals['_MODELCHUNK']._serialized_start=1414
-  _globals['_MODELCHUNK']._serialized_end=1493
-  _globals['_UPDATEHEADER']._serialized_start=1496
-  _globals['_UPDATEHEADER']._serialized_end=1773
-  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_start=1727
-  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_end=1773
-  _globals['_UPDATECHUNK']._serialized_start=1775
-  _globals['_UPDATECHUNK']._serialized_end=1856
-  _globals['_PUSHREPLY']._serialized_start=1858
-  _globals['_PUSHREPLY']._serialized_end=1924
-  _globals['_LEAVEREQUEST']._serialized_start=1926
-  _globals['_LEAVEREQUEST']._serialized_end=1973
-  _globals['_LEAVEREPLY']._serialized_start=1975
-  _globals['_LEAVEREPLY']._serialized_end=1987
-  _globals['_AGGREGATOR']._serialized_start=1990
-  _globals['_AGGREGATOR']._serialized_end=2293
+  _globals['_TASKREPLY']._serialized_end=1176
+  _globals['_TASKREPLY_ACTION']._serialized_start=1137
+  _globals['_TASKREPLY_ACTION']._serialized_end=1176
+  _globals['_PULLREQUEST']._serialized_start=1178
+  _globals['_PULLREQUEST']._serialized_end=1304
+  _globals['_PULLREQUEST_KIND']._serialized_start=1254
+  _globals['_PULLREQUEST_KIND']._serialized_end=1304
+  _globals['_MODELHEADER']._serialized_start=1306
+  _globals['_MODELHEADER']._serialized_end=1433
+  _globals['_MODELCHUNK']._serialized_start=1435
+  _globals['_MODELCHUNK']._serialized_end=1514
+  _globals['_UPDATEHEADER']._serialized_start=1517
+  _globals['_UPDATEHEADER']._serialized_end=1794
+  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_start=1748
+  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_end=1794
+  _globals['_UPDATECHUNK']._serialized_start=1796
+  _globals['_UPDATECHUNK']._serialized_end=1877
+  _globals['_PUSHREPLY']._serialized_start=1879
+  _globals['_PUSHREPLY']._serialized_end=1945
+  _globals['_LEAVEREQUEST']._serialized_start=1947
+  _globals['_LEAVEREQUEST']._serialized_end=1994
+  _globals['_LEAVEREPLY']._serialized_start=1996
+  _globals['_LEAVEREPLY']._serialized_end=2008
+  _globals['_AGGREGATOR']._serialized_start=2011
+  _globals['_AGGREGATOR']._serialized_end=2314
 # @@protoc_insertion_point(module_scope)

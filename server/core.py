@@ -58,7 +58,7 @@ from murmura.server.limits import (
 )
 from murmura.server.model import ModelRule, OptimizerRule, PoolRule
 from murmura.server.outputs import RunRecorder
-from murmura.server.policy import AsyncPolicy, Policy, SyncPolicy
+from murmura.server.policy import AsyncPolicy, CompassPolicy, Policy, SyncPolicy
 from murmura.server.pool import PoolState
 from murmura.server.publisher import Publisher
 from murmura.server.ratelimit import RateLimiter
@@ -187,7 +187,8 @@ class AggregatorCore:
         self.fold_limit = FOLD_LIMIT[config.accumulator]
         #: Extra figures for the metrics row (the serverless tier's workers and queue).
         self.row_extras: Callable[[], dict[str, Any]] | None = None
-        self.policy: Policy = SyncPolicy(self) if config.mode == "sync" else AsyncPolicy(self)
+        policies = {"sync": SyncPolicy, "async": AsyncPolicy, "compass": CompassPolicy}
+        self.policy: Policy = policies[config.mode](self)
 
     def _start_pool(self, start: Checkpoint | None) -> PoolState | None:
         """The FedKSeed state when the settings ask for a seed pool (see server/pool.py)."""
