@@ -68,10 +68,13 @@ def steps_for(arrival: float, now: float, step_time: float, bounds: StepBounds) 
 
     Rounding down means a client is never predicted to arrive after its group.
     """
-    if not (step_time > 0 and math.isfinite(step_time)) or arrival <= now:
+    if not (step_time > 0 and math.isfinite(step_time)) or not now < arrival < math.inf:
         return None
-    q = math.floor((arrival - now) / step_time + 1e-9)
-    return q if bounds.q_min <= q <= bounds.q_max else None
+    fit = (arrival - now) / step_time + 1e-9
+    if not fit < bounds.q_max + 1:  # also inf and nan: a claimed speed can be absurd
+        return None
+    q = math.floor(fit)
+    return q if q >= bounds.q_min else None
 
 
 def choose_group(groups: Sequence[GroupPlan], now: float, step_time: float,

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from murmura.server.core import AggregatorCore, ClientRecord
 
 Release = Callable[[], None] | None
+#: Seconds per local step FedCompass plans with, at least and at most.
+STEP_TIME_RANGE = (1e-6, 86_400.0)
 
 
 def _staleness_fn(core: AggregatorCore):  # noqa: ANN202
@@ -354,10 +356,13 @@ class CompassPolicy(Policy):
     def step_time(self, rec: ClientRecord) -> float | None:
         """Seconds per local step: observed, else from the profile, else unknown."""
         t = self.observed.get(rec.client_id)
-        if t is not None:
-            return t
-        sps = rec.profile.steps_per_s
-        return 1.0 / sps if sps > 0 and math.isfinite(sps) else None
+        if t is None:
+            sps = rec.profile.steps_per_s
+            if not (sps > 0 and math.isfinite(sps)):
+                return None
+            t = 1.0 / sps
+        # a profile is the client's claim: keep it within a microsecond and a day per step
+        return min(max(t, STEP_TIME_RANGE[0]), STEP_TIME_RANGE[1])
 
     def _live_plans(self, now: float) -> list[GroupPlan]:
         return [g.plan for g in self.groups.values() if g.plan.arrival > now]

@@ -218,3 +218,16 @@ def test_unknown_speed_gets_the_most_steps_and_its_update_is_not_held() -> None:
     nxt = core.task(s)                             # now measured: 0.3 s/step, its own group
     assert nxt.local_steps == 10 and core.policy.groups[nxt.round].plan.arrival == \
         pytest.approx(3.0 + 10 * 0.3)
+
+
+def test_absurd_claimed_speeds_get_bounded_tasks_and_change_nothing_else() -> None:
+    clock = Clock()
+    core = _core(clock)
+    honest = _join(core, "honest", 10.0)
+    first = core.task(honest)
+    liars = [_join(core, "fast-liar", 1e300), _join(core, "slow-liar", 1e-300)]
+    tasks = [core.task(s) for s in liars]
+    assert all(t.action == Action.TRAIN and 2 <= t.local_steps <= 10 for t in tasks)
+    again = _join(core, "late", 10.0)
+    assert core.task(again).round == first.round     # the honest group is still joinable
+    assert math.isfinite(core.policy.deadline) and core.version == 0
