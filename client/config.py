@@ -16,7 +16,7 @@ class ClientConfig:
     server: str = "127.0.0.1:50051"
     client_id: str = ""            # default: <hostname>-<pid>
     device: str = "auto"
-    codec: str = ""                # default: the server's choice
+    codec: str = ""                # default: the server's choice; auto: from the link speed
     token: str = ""
     client_index: int = 0          # which share of the bundled task's data this client holds
     num_clients: int = 1           # how many shares the data is split into

@@ -17,7 +17,14 @@ from typing import TypeVar
 
 import numpy as np
 
-from murmura.client.rules import UpdateIds, after_refusal, codec_choice, make_encoder
+from murmura.client.rules import (
+    UpdateIds,
+    after_refusal,
+    auto_codec,
+    codec_choice,
+    encoder_seed,
+    make_encoder,
+)
 from murmura.client.trainer import Trainer, delta_of
 from murmura.client.transport import RemoteError, Transport
 from murmura.protocols import (
@@ -28,6 +35,7 @@ from murmura.protocols import (
     ModelSpec,
     TaskSettings,
     UpdateHeader,
+    create_codec,
 )
 from murmura.protocols.codecs.seed import SeedPool, pool_model
 from murmura.protocols.pool import seed_pool_for
@@ -87,7 +95,10 @@ class ClientRuntime:
         self.client_id = client_id
         self.profile = profile or DeviceProfile()
         self.token = token
-        self.codec_name = codec
+        #: ``codec='auto'``: the first update goes dense (or as the server says), then the
+        #: codec is chosen from that push's measured link speed (:func:`rules.auto_codec`).
+        self.auto_codec = codec == "auto"
+        self.codec_name = "" if self.auto_codec else codec
         self.retry = retry or RetryPolicy()
         self.wait_s = wait_s
         self.sleep = sleep
@@ -205,7 +216,9 @@ class ClientRuntime:
                     else self.settings)
         version, base = self._pull()
         self.trainer.on_pull(version)
+        t_train = self.clock()
         result = self.trainer.train(base, settings, seed=seed)  # reads, never writes base
+        train_s = self.clock() - t_train
         if result.encoded is not None:
             codec, payload = result.encoded
         else:
@@ -225,6 +238,7 @@ class ClientRuntime:
             return self.transport.push(header, payload)
 
         self.stats.tasks += 1
+        t_push = self.clock()
         try:
             reply = self._call(push)
         except RemoteError as exc:
@@ -237,6 +251,23 @@ class ClientRuntime:
             return
         self.stats.pushed += 1
         self.stats.bytes_payload += len(payload)
+        if self.auto_codec and result.encoded is None:
+            self._choose_codec(len(payload), self.clock() - t_push, train_s)
         if getattr(reply, "duplicate", False):
             self.stats.duplicates += 1
 
+    def _choose_codec(self, payload_bytes: int, push_s: float, train_s: float) -> None:
+        """``codec='auto'``: pick the codec for the next updates from this push's speed."""
+        assert self.spec is not None
+        self.auto_codec = False  # decided once, so error-feedback state is kept from here on
+        if push_s <= 0:
+            return
+        dense = 4 * self.spec.size
+        name, options = auto_codec(dense, payload_bytes / push_s, train_s)
+        if name == (self.codec_name or (self.settings.codec if self.settings else "")):
+            return
+        self._encoder = create_codec(name, options).encoder(
+            self.spec.size, seed=encoder_seed(self.client_id))
+        self.codec_name = name
+        log.info("%s: link %.2f MB/s, training %.2fs: codec %s", self.client_id,
+                 payload_bytes / push_s / 1e6, train_s, name)
