@@ -323,7 +323,12 @@ def run_client(cfg: Any, task_cfg: Any) -> Any:
     from murmura.client import ClientRuntime, GrpcTransport, RetryPolicy, make_trainer
     from murmura.client.malicious import make_attack
     from murmura.client.status import StatusTrainer
-    from murmura.edge import device_profile, profile_device, resolve_device
+    from murmura.edge import (
+        device_profile,
+        probe_micro_batch,
+        profile_device,
+        resolve_device,
+    )
     from murmura.tasks import load_task
 
     if cfg.threads:
@@ -338,6 +343,11 @@ def run_client(cfg: Any, task_cfg: Any) -> Any:
         data = attack.data(data)
     # The server's settings (sent at join) choose first-order or zeroth-order training per task.
     trainer = make_trainer(task.build_model(), data, device=str(device), amp=cfg.amp)
+    micro = cfg.micro_batch
+    if not micro and device.type == "cuda" and len(data):  # the most rows that fit the cap
+        micro = probe_micro_batch(trainer.model, torch.from_numpy(data.x[:16]),
+                                  torch.from_numpy(data.y[:16]), device=device)
+    trainer.first_order.micro_batch = micro
     profile = device_profile(trainer.device)
     if cfg.profile and len(data):  # a short timed warm-up: the server plans work from it
         profile = profile_device(trainer.model, torch.from_numpy(data.x[:16]),

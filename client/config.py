@@ -26,6 +26,7 @@ class ClientConfig:
     amp: str = "auto"              # mixed precision: auto (bf16/fp16 on CUDA), off, bf16, fp16
     profile: bool = True           # measure training speed at start and send it with Join
     memory_fraction: float = 0.0   # CUDA: cap this process at this share of the GPU (0: none)
+    micro_batch: int = 0           # rows per pass (gradient accumulation); 0: probe on CUDA
     status_file: str = ""          # write progress JSON here after every task (murmura launch)
     give_up_after_s: float = 300.0
     attack: str = ""               # opt-in malicious mode (tests, red-team runs)
@@ -46,6 +47,8 @@ class ClientConfig:
 
         if self.amp not in AMP_MODES:
             raise ValueError(f"amp must be one of {AMP_MODES}, got {self.amp!r}")
+        if self.micro_batch < 0:
+            raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
         if not 0 <= self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must lie in [0, 1] (0: no cap), got "
                              f"{self.memory_fraction}")

@@ -8,9 +8,10 @@ from murmura.edge.profile import (
     amp_supported,
     free_memory,
     measure_training_speed,
+    probe_micro_batch,
     profile_device,
 )
 
 __all__ = ["AMP_MODES", "DEVICES", "SpeedProfile", "amp_dtype", "amp_supported",
-           "device_profile", "free_memory", "measure_training_speed", "profile_device",
-           "resolve_device"]
+           "device_profile", "free_memory", "measure_training_speed", "probe_micro_batch",
+           "profile_device", "resolve_device"]

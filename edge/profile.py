@@ -116,6 +116,43 @@ def measure_training_speed(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *
                         amp_name(amp))
 
 
+def probe_micro_batch(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
+                      device: torch.device, largest: int = 1024,
+                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                      = nn.functional.cross_entropy,
+                      attempt: Callable[[int], None] | None = None) -> int:
+    """The most rows (``largest``, halving) one forward and backward pass of ``model`` takes
+    on ``device`` without running out of memory (under a ``set_per_process_memory_fraction``
+    cap, that cap). The trainer then accumulates gradients over passes of that size, so the
+    server's batch size is kept whatever the device. ``attempt(rows)`` replaces the real pass
+    (tests).
+
+    Raises ValueError when not even one row fits: such a device can only train zeroth-order.
+    """
+    if attempt is None:
+        probe = copy.deepcopy(model).to(device)
+
+        def attempt(rows: int) -> None:
+            reps = -(-rows // len(x))
+            xb = x.repeat((reps,) + (1,) * (x.dim() - 1))[:rows].to(device)
+            yb = y.repeat((reps,) + (1,) * (y.dim() - 1))[:rows].to(device)
+            probe.zero_grad(set_to_none=True)
+            loss_fn(probe(xb), yb).backward()
+            _sync(device)
+
+    rows = largest
+    while rows >= 1:
+        try:
+            attempt(rows)
+            return rows
+        except torch.OutOfMemoryError:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            rows //= 2
+    raise ValueError(f"not even one example fits in the memory of {device}: train "
+                     f"zeroth-order (trainer 'zo') on this device")
+
+
 def free_memory(device: torch.device) -> int:
     """Bytes free for training on ``device`` now (0 when unknown)."""
     if device.type == "cuda":
@@ -157,4 +194,4 @@ def profile_device(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
 
 
 __all__ = ["AMP_MODES", "SpeedProfile", "amp_dtype", "amp_name", "amp_supported",
-           "free_memory", "measure_training_speed", "profile_device"]
+           "free_memory", "measure_training_speed", "probe_micro_batch", "profile_device"]

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from murmura.client import TorchTrainer
-from murmura.edge import amp_dtype, amp_supported, measure_training_speed, profile_device
+from murmura.edge import (
+    amp_dtype,
+    amp_supported,
+    measure_training_speed,
+    probe_micro_batch,
+    profile_device,
+)
 from murmura.protocols import ModelSpec, TaskSettings
 from murmura.server.limits import check_profile
 from murmura.tasks import TaskConfig, load_task
@@ -90,3 +96,37 @@ def test_cuda_profile_reports_amp_support() -> None:
                           torch.from_numpy(data.y[:16]), device=torch.device("cuda"))
     assert prof.device == "cuda" and "fp16" in prof.extra["amp_supported"]
     assert prof.extra["amp"] in ("bf16", "fp16") and prof.steps_per_s > 0
+
+
+def test_micro_batches_accumulate_to_the_whole_batch_gradient() -> None:
+    task, data = _digits()
+    start = None
+    results = []
+    for micro in (0, 5):
+        trainer = TorchTrainer(task.build_model(seed=2), data, device="cpu", micro_batch=micro)
+        start = trainer.spec.flatten(trainer.model).copy() if start is None else start
+        r = trainer.train(start, TaskSettings(local_steps=10, batch_size=16, lr=0.1), seed=4)
+        results.append(r)
+    np.testing.assert_allclose(results[1].params, results[0].params, rtol=1e-5, atol=1e-6)
+    assert abs(results[1].metrics["train_loss"] - results[0].metrics["train_loss"]) < 1e-5
+
+
+def test_probe_halves_until_a_pass_fits_and_refuses_when_nothing_does() -> None:
+    tried: list[int] = []
+
+    def attempt(rows: int) -> None:
+        tried.append(rows)
+        if rows > 100:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    x, y = torch.zeros(4, 8), torch.zeros(4, dtype=torch.long)
+    model = torch.nn.Linear(8, 2)
+    assert probe_micro_batch(model, x, y, device=CPU, attempt=attempt) == 64
+    assert tried == [1024, 512, 256, 128, 64]
+    assert probe_micro_batch(model, x, y, device=CPU, largest=32) == 32  # a real pass
+
+    def never(rows: int) -> None:
+        raise torch.OutOfMemoryError("no")
+
+    with pytest.raises(ValueError, match="zeroth-order"):
+        probe_micro_batch(model, x, y, device=CPU, attempt=never)
