@@ -1,7 +1,7 @@
 """When updates become new global versions: synchronous rounds, buffered async (FedBuff), or
 FedCompass's arrival groups.
 
-Every policy sits on the same core and receive each update as soon as it has been validated
+Every policy sits on the same core and receives each update as soon as it has been validated
 and decoded. A policy decides which clients should train (``task_for``) and when the
 aggregate becomes a new version (it calls ``core.apply``).
 """
@@ -487,6 +487,11 @@ class CompassPolicy(Policy):
         items = items + self.late
         self.late = []
         if not items:
+            return
+        if self.core.finished:  # the last version is out or being made: nothing more to add
+            for _, h in items:
+                if h.release is not None:
+                    h.release()
             return
         version = self.core.version
         count = 0

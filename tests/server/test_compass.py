@@ -231,3 +231,21 @@ def test_absurd_claimed_speeds_get_bounded_tasks_and_change_nothing_else() -> No
     again = _join(core, "late", 10.0)
     assert core.task(again).round == first.round     # the honest group is still joinable
     assert math.isfinite(core.policy.deadline) and core.version == 0
+
+
+def test_no_version_is_published_past_the_last() -> None:
+    clock = Clock()
+    core = _core(clock, max_versions=1)
+    a, b, c = (_join(core, n, 10.0) for n in "abc")
+    for s in (a, b):
+        core.task(s)
+    clock.t = 0.5
+    core.task(c)                                   # joins the same group (5 steps)
+    clock.t = 1.0
+    _push(core, a, 1.0, base=0, uid="a1")
+    _push(core, b, 1.0, base=0, uid="b1")
+    core.leave(c)                                  # completes the group: version 1, the last
+    assert core.version == 1 and core.done
+    clock.t = 100.0
+    core.tick()
+    assert core.version == 1 and core.task(a).action == Action.STOP
