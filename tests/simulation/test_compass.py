@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from murmura.protocols import TaskSettings
 from murmura.server import ServerConfig
@@ -18,6 +19,7 @@ def _compass(**kw) -> ServerConfig:
                         train=TaskSettings(local_steps=10, batch_size=16), **kw)
 
 
+@pytest.mark.slow
 def test_compass_gives_fast_devices_more_steps_and_keeps_staleness_low() -> None:
     sim = Simulation(LOGREG, _compass(max_versions=8),
                      SimulationConfig(clients=12, step_time_s=0.05, speed_spread=10.0),
