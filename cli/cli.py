@@ -358,7 +358,13 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
 
     from murmura.client import ClientRuntime, GrpcTransport, RetryPolicy, make_trainer
     from murmura.client.malicious import make_attack
-    from murmura.edge import device_profile
+    from murmura.client.status import StatusTrainer
+    from murmura.edge import (
+        device_profile,
+        probe_micro_batch,
+        profile_device,
+        resolve_device,
+    )
     from murmura.protocols.tls import channel_credentials
     from murmura.tasks import load_task
 
@@ -369,17 +375,31 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
     tls = cfg.tls()
     if tls is not None:
         channel_credentials(tls)  # the same: missing or mismatched files fail now
+    device = resolve_device(cfg.device)
+    if cfg.memory_fraction and device.type == "cuda":  # one of several clients on this GPU
+        torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, device)
     task = load_task(task_cfg)
     attack = make_attack(cfg.attack, cfg.attack_options, seed=cfg.client_index)
     data = task.client_data(cfg.client_index, cfg.num_clients)
     if attack.data is not None:
         data = attack.data(data)
     # The server's settings (sent at join) choose first-order or zeroth-order training per task.
-    trainer = make_trainer(task.build_model(), data, device=cfg.device)
+    trainer = make_trainer(task.build_model(), data, device=str(device), amp=cfg.amp)
+    micro = cfg.micro_batch
+    if not micro and device.type == "cuda" and len(data):  # the most rows that fit the cap
+        micro = probe_micro_batch(trainer.model, torch.from_numpy(data.x[:16]),
+                                  torch.from_numpy(data.y[:16]), device=device)
+    trainer.first_order.micro_batch = micro
+    profile = device_profile(trainer.device)
+    if cfg.profile and len(data):  # a short timed warm-up: the server plans work from it
+        profile = profile_device(trainer.model, torch.from_numpy(data.x[:16]),
+                                 torch.from_numpy(data.y[:16]), device=trainer.device,
+                                 amp=cfg.amp)
+    running = StatusTrainer(trainer, cfg.status_file) if cfg.status_file else trainer
     transport = GrpcTransport(cfg.server, tls=tls, insecure=cfg.insecure)
     try:
-        runtime = ClientRuntime(transport, trainer, client_id=cfg.client_id, identity=identity,
-                                profile=device_profile(trainer.device), token=cfg.token,
+        runtime = ClientRuntime(transport, running, client_id=cfg.client_id, identity=identity,
+                                profile=profile, token=cfg.token,
                                 codec=cfg.codec, wait_s=cfg.wait_s, update_hook=attack.update,
                                 retry=RetryPolicy(give_up_after_s=cfg.give_up_after_s),
                                 on_ack=_ack_logger(cfg.ack_log) if cfg.ack_log else None)
@@ -452,6 +472,34 @@ def cmd_certs(args: argparse.Namespace) -> int:
         cert, key = tls.make_client_cert(args.ca, args.out, args.name)
         print(f"wrote {cert} and {key} (murmura client --tls-cert {cert} --tls-key {key})")
     return 0
+
+
+# -- murmura launch ---------------------------------------------------------------------------
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from murmura.edge.launch import Launcher, detect_devices
+
+    _configure_logging(args, logging.WARNING)
+    if ":" not in args.server:
+        raise ValueError(f"server must be HOST:PORT, got {args.server[:40]!r}")
+    devices = detect_devices(args.devices)
+    passthrough: list[str] = []
+    if args.config:
+        passthrough += ["--config", args.config]
+    if args.token:
+        passthrough += ["--token", args.token]
+    for opt in args.client_option or []:
+        passthrough += opt.split(None, 1) if opt.startswith("--") else [opt]
+    launcher = Launcher(args.server, devices, clients_per_device=args.clients_per_device,
+                        memory_fraction=args.memory_fraction,
+                        client_index_start=args.client_index_start,
+                        num_clients=args.num_clients, client_args=passthrough,
+                        work_dir=args.work_dir)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: launcher.stop())
+    print(f"murmura launch: {len(launcher.slots)} clients on {', '.join(devices)} -> "
+          f"{args.server}", flush=True)
+    return launcher.run(out=sys.stdout, table_every_s=args.table_every_s)
 
 
 # -- parser -----------------------------------------------------------------------------------
@@ -556,6 +604,28 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--name", required=True, help="the client's name: NAME.crt and NAME.key")
     c.add_argument("--out", required=True, metavar="DIR", help="directory for the files")
     p.set_defaults(fn=cmd_certs)
+
+    p = sub.add_parser("launch", help="N client processes per device, restarted on crashes",
+                       description="Detect devices and start --clients-per-device client "
+                       "processes on each against --server; restart crashed clients with "
+                       "backoff and print a status table until every client is done.")
+    common(p)
+    p.add_argument("--server", required=True, help="the aggregator's HOST:PORT")
+    p.add_argument("--clients-per-device", type=int, default=1)
+    p.add_argument("--devices", default="auto", help="auto, or a list: cuda:0,cuda:1,cpu")
+    p.add_argument("--memory-fraction", type=float, default=0.0,
+                   help="CUDA: cap each client at this share of its GPU (0: no cap)")
+    p.add_argument("--client-index-start", type=int, default=0,
+                   help="data share of the first client; the others follow")
+    p.add_argument("--num-clients", type=int, default=0,
+                   help="shares the data is split into (default: start + clients launched)")
+    p.add_argument("--token", default="", help="join token, passed to every client")
+    p.add_argument("--client-option", action="append", metavar="'--FLAG VALUE'",
+                   help="repeatable: passed to every `murmura client`")
+    p.add_argument("--work-dir", default="runs/launch",
+                   help="client logs and status files (default: runs/launch)")
+    p.add_argument("--table-every-s", type=float, default=2.0)
+    p.set_defaults(fn=cmd_launch)
 
     from murmura.simulation.cli import add_parser as add_simulate
 

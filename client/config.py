@@ -27,13 +27,18 @@ class ClientConfig:
     insecure: bool = field(default=False, metadata={"help": (
         "allow plaintext to a non-loopback server (default: refused)")})
     device: str = "auto"
-    codec: str = ""                # default: the server's choice
+    codec: str = ""                # default: the server's choice; auto: from the link speed
     token: str = ""
     client_index: int = 0          # which share of the bundled task's data this client holds
     num_clients: int = 1           # how many shares the data is split into
     max_tasks: int = 0             # 0: until the server says stop
     wait_s: float = 10.0
     threads: int = 0               # torch intra-op threads; 0 leaves torch's default
+    amp: str = "auto"              # mixed precision: auto (bf16/fp16 on CUDA), off, bf16, fp16
+    profile: bool = True           # measure training speed at start and send it with Join
+    memory_fraction: float = 0.0   # CUDA: cap this process at this share of the GPU (0: none)
+    micro_batch: int = 0           # rows per pass (gradient accumulation); 0: probe on CUDA
+    status_file: str = ""          # write progress JSON here after every task (murmura launch)
     give_up_after_s: float = 300.0
     attack: str = ""               # opt-in malicious mode (tests, red-team runs)
     attack_options: dict[str, str] = field(default_factory=dict)
@@ -50,6 +55,15 @@ class ClientConfig:
         from murmura.client.malicious import make_attack
 
         make_attack(self.attack, self.attack_options)  # fails now on a bad name or option
+        from murmura.edge import AMP_MODES
+
+        if self.amp not in AMP_MODES:
+            raise ValueError(f"amp must be one of {AMP_MODES}, got {self.amp!r}")
+        if self.micro_batch < 0:
+            raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
+        if not 0 <= self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must lie in [0, 1] (0: no cap), got "
+                             f"{self.memory_fraction}")
         if self.max_tasks < 0 or self.wait_s < 0 or self.threads < 0:
             raise ValueError("max_tasks, wait_s and threads must be >= 0")
         if self.key and self.client_id:

@@ -7,6 +7,7 @@ keeps its update id, so the server counts it once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -16,7 +17,14 @@ from typing import TypeVar
 
 import numpy as np
 
-from murmura.client.rules import UpdateIds, after_refusal, codec_choice, make_encoder
+from murmura.client.rules import (
+    UpdateIds,
+    after_refusal,
+    auto_codec,
+    codec_choice,
+    encoder_seed,
+    make_encoder,
+)
 from murmura.client.trainer import Trainer, delta_of
 from murmura.client.transport import RemoteError, Transport
 from murmura.protocols import (
@@ -28,6 +36,7 @@ from murmura.protocols import (
     PushResult,
     TaskSettings,
     UpdateHeader,
+    create_codec,
 )
 from murmura.protocols.codecs.seed import SeedPool, pool_model
 from murmura.protocols.identity import NodeKey, payload_digest
@@ -103,7 +112,10 @@ class ClientRuntime:
         self.client_id = client_id
         self.profile = profile or DeviceProfile()
         self.token = token
-        self.codec_name = codec
+        #: ``codec='auto'``: the first update goes dense (or as the server says), then the
+        #: codec is chosen from that push's measured link speed (:func:`rules.auto_codec`).
+        self.auto_codec = codec == "auto"
+        self.codec_name = "" if self.auto_codec else codec
         self.retry = retry or RetryPolicy()
         self.wait_s = wait_s
         self.sleep = sleep
@@ -182,7 +194,7 @@ class ClientRuntime:
                     if task.retry_after_s > 0 and self.wait_s == 0:
                         self.sleep(task.retry_after_s)
                     continue
-                self.step(task.round, task.seed)
+                self.step(task.round, task.seed, local_steps=task.local_steps)
         finally:
             try:
                 if self.session:
@@ -216,12 +228,20 @@ class ClientRuntime:
         assert self._pool_base is not None
         return version, pool_model(self._pool_base[1], pool, scalars)
 
-    def step(self, round_: int, seed: int) -> None:
-        """One task: pull the current model, train, push the update."""
+    def step(self, round_: int, seed: int, *, local_steps: int = 0) -> None:
+        """One task: pull the current model, train, push the update.
+
+        ``local_steps`` > 0 is the server's per-task assignment (FedCompass gives faster
+        devices more steps); it replaces the join settings' own amount of local work.
+        """
         assert self.settings is not None and self._encoder is not None
+        settings = (dataclasses.replace(self.settings, local_steps=local_steps) if local_steps
+                    else self.settings)
         version, base = self._pull()
         self.trainer.on_pull(version)
-        result = self.trainer.train(base, self.settings, seed=seed)  # reads, never writes base
+        t_train = self.clock()
+        result = self.trainer.train(base, settings, seed=seed)  # reads, never writes base
+        train_s = self.clock() - t_train
         if result.encoded is not None:
             codec, payload = result.encoded
         else:
@@ -244,6 +264,7 @@ class ClientRuntime:
             return self.transport.push(header, payload)
 
         self.stats.tasks += 1
+        t_push = self.clock()
         try:
             reply = self._call(push)
         except RemoteError as exc:
@@ -256,8 +277,25 @@ class ClientRuntime:
             return
         self.stats.pushed += 1
         self.stats.bytes_payload += len(payload)
-        if reply.duplicate:
+        if self.auto_codec and result.encoded is None:
+            self._choose_codec(len(payload), self.clock() - t_push, train_s)
+        if getattr(reply, "duplicate", False):
             self.stats.duplicates += 1
         if self.on_ack is not None:
             self.on_ack(update_id, reply)
 
+    def _choose_codec(self, payload_bytes: int, push_s: float, train_s: float) -> None:
+        """``codec='auto'``: pick the codec for the next updates from this push's speed."""
+        assert self.spec is not None
+        self.auto_codec = False  # decided once, so error-feedback state is kept from here on
+        if push_s <= 0:
+            return
+        dense = 4 * self.spec.size
+        name, options = auto_codec(dense, payload_bytes / push_s, train_s)
+        if name == (self.codec_name or (self.settings.codec if self.settings else "")):
+            return
+        self._encoder = create_codec(name, options).encoder(
+            self.spec.size, seed=encoder_seed(self.client_id))
+        self.codec_name = name
+        log.info("%s: link %.2f MB/s, training %.2fs: codec %s", self.client_id,
+                 payload_bytes / push_s / 1e6, train_s, name)

@@ -251,12 +251,12 @@ class SettingsTrainer(Trainer):
 
     def __init__(self, model: nn.Module, data: ArrayDataset | Iterable[Any] | Callable[[], Any],
                  *, loss_fn: LossFn = nn.functional.cross_entropy, device: str = "auto",
-                 num_examples: int | None = None) -> None:
+                 num_examples: int | None = None, amp: str = "auto") -> None:
         self.zeroth_order = ZOTrainer(model, data, loss_fn=loss_fn, device=device,
                                       num_examples=num_examples, return_params=False)
         self.first_order = TorchTrainer(self.zeroth_order.model, data, loss_fn=loss_fn,
                                         device=str(self.zeroth_order.device),
-                                        num_examples=num_examples)
+                                        num_examples=num_examples, amp=amp)
         self.model = self.zeroth_order.model
         self.device = self.zeroth_order.device
         self.spec = self.zeroth_order.spec
@@ -268,10 +268,10 @@ class SettingsTrainer(Trainer):
 
 def make_trainer(model: nn.Module, data: ArrayDataset | Iterable[Any] | Callable[[], Any], *,
                  loss_fn: LossFn = nn.functional.cross_entropy, device: str = "auto",
-                 num_examples: int | None = None) -> SettingsTrainer:
+                 num_examples: int | None = None, amp: str = "auto") -> SettingsTrainer:
     """The trainer a client should run when it does not know the server's settings yet."""
     return SettingsTrainer(model, data, loss_fn=loss_fn, device=device,
-                           num_examples=num_examples)
+                           num_examples=num_examples, amp=amp)
 
 
 __all__ = ["SEED_CODEC", "SettingsTrainer", "ZOTrainer", "bind_flat", "make_trainer",

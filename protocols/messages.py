@@ -73,6 +73,9 @@ class Task:
     round: int = 0
     retry_after_s: float = 0.0
     seed: int = 0
+    #: Local steps the server assigns for this task (computing-power-aware scheduling);
+    #: 0 means the join settings' own ``local_steps``/``local_epochs``.
+    local_steps: int = 0
 
 
 @dataclass(frozen=True)

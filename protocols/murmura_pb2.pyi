@@ -130,7 +130,7 @@ class TaskRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class TaskReply(_message.Message):
-    __slots__ = ("action", "version", "round", "retry_after_s", "seed")
+    __slots__ = ("action", "version", "round", "retry_after_s", "seed", "local_steps")
     class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         WAIT: _ClassVar[TaskReply.Action]
@@ -144,12 +144,14 @@ class TaskReply(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     action: TaskReply.Action
     version: int
     round: int
     retry_after_s: float
     seed: int
-    def __init__(self, action: _Optional[_Union[TaskReply.Action, str]] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., retry_after_s: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    local_steps: int
+    def __init__(self, action: _Optional[_Union[TaskReply.Action, str]] = ..., version: _Optional[int] = ..., round: _Optional[int] = ..., retry_after_s: _Optional[float] = ..., seed: _Optional[int] = ..., local_steps: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("session", "kind")

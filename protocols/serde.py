@@ -65,12 +65,13 @@ def settings_from_proto(m: pb.TaskSettings) -> TaskSettings:
 
 def task_to_proto(t: Task) -> pb.TaskReply:
     return pb.TaskReply(action=int(t.action), version=t.version, round=t.round,
-                        retry_after_s=t.retry_after_s, seed=t.seed)
+                        retry_after_s=t.retry_after_s, seed=t.seed,
+                        local_steps=t.local_steps)
 
 
 def task_from_proto(m: pb.TaskReply) -> Task:
     return Task(action=Action(m.action), version=m.version, round=m.round,
-                retry_after_s=m.retry_after_s, seed=m.seed)
+                retry_after_s=m.retry_after_s, seed=m.seed, local_steps=m.local_steps)
 
 
 def update_header_to_proto(h: UpdateHeader) -> pb.UpdateHeader:

@@ -16,8 +16,9 @@ from murmura.aggregation import (
 )
 from murmura.protocols import CodecError, TaskSettings
 from murmura.protocols.pool import seed_pool_for
+from murmura.server.compass import StepBounds
 
-MODES = ("sync", "async")
+MODES = ("sync", "async", "compass")
 STALENESS = ("constant", "polynomial", "hinge")
 ACCUMULATORS = ("float32", "exact")
 BACKENDS = ("process", "ray")
@@ -29,7 +30,10 @@ class ServerConfig:
     """How the aggregator accepts, weighs and applies updates.
 
     ``mode='sync'`` runs rounds over a cohort; ``mode='async'`` applies a FedBuff step every
-    ``buffer_size`` updates. Both refuse updates more than ``max_staleness`` versions old.
+    ``buffer_size`` updates; ``mode='compass'`` (FedCompass) gives each client between
+    ``compass_min_steps`` and ``compass_max_steps`` local steps from its measured speed so that
+    groups of clients arrive together, and makes one version per group. All refuse updates
+    more than ``max_staleness`` versions old.
     """
 
     address: str = "127.0.0.1:0"
@@ -45,6 +49,10 @@ class ServerConfig:
     max_staleness: int = 20
     staleness: str = "polynomial"
     staleness_exponent: float = 0.5
+    # compass (FedCompass): local steps per task from each client's measured speed
+    compass_max_steps: int = 0     # 0: train.local_steps
+    compass_min_steps: int = 0     # 0: a fifth of the maximum (at least 1)
+    compass_latest_factor: float = 1.5  # a group is aggregated by this x its planned duration
     # aggregation
     defense: str = "fedavg"        # aggregation rule: fedavg (none) or a robust rule
     defense_options: dict[str, str] = field(default_factory=dict)  # e.g. f=2, trim=0.2
@@ -180,6 +188,10 @@ class ServerConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {value}")
+        if self.mode == "compass":
+            self.compass_bounds()  # raises ValueError on bad bounds
+        elif self.compass_max_steps or self.compass_min_steps:
+            raise ValueError("compass_max_steps and compass_min_steps are for mode 'compass'")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         self._check_security()
@@ -208,6 +220,15 @@ class ServerConfig:
                              f"give --upstream-tls-ca (see docs/security.md) or --insecure")
         if self.role != "leaf" and (self.key or self.upstream_tls_ca):
             raise ValueError("key and upstream_tls_* are for role 'leaf' (its upstream link)")
+
+    def compass_bounds(self) -> StepBounds:
+        """FedCompass's local step bounds and latest-arrival factor."""
+        q_max = self.compass_max_steps or self.train.local_steps
+        if q_max <= 0:
+            raise ValueError("mode 'compass' assigns local steps: set compass_max_steps (or "
+                             "train.local_steps) to a positive number")
+        q_min = self.compass_min_steps or max(1, round(q_max / 5))
+        return StepBounds(q_min, q_max, self.compass_latest_factor)
 
     def defense_kwargs(self) -> dict[str, Any]:
         """``defense_options`` with numbers parsed (``none`` means None)."""

@@ -71,7 +71,7 @@ from murmura.server.limits import (
 )
 from murmura.server.model import ModelRule, OptimizerRule, PoolRule
 from murmura.server.outputs import RunRecorder, clean_row
-from murmura.server.policy import AsyncPolicy, Policy, SyncPolicy
+from murmura.server.policy import AsyncPolicy, CompassPolicy, Policy, SyncPolicy
 from murmura.server.pool import PoolState
 from murmura.server.publisher import Publisher
 from murmura.server.ratelimit import RateLimiter
@@ -244,7 +244,8 @@ class AggregatorCore:
         self.fold_limit = FOLD_LIMIT[config.accumulator]
         #: Extra figures for the metrics row (the serverless tier's workers and queue).
         self.row_extras: Callable[[], dict[str, Any]] | None = None
-        self.policy: Policy = SyncPolicy(self) if config.mode == "sync" else AsyncPolicy(self)
+        policies = {"sync": SyncPolicy, "async": AsyncPolicy, "compass": CompassPolicy}
+        self.policy: Policy = policies[config.mode](self)
         if start is not None:
             agg_state = {k[len(AGG_PREFIX):]: v for k, v in start.extra.items()
                          if k.startswith(AGG_PREFIX)}

@@ -1,6 +1,7 @@
-"""When updates become new global versions: synchronous rounds or buffered async (FedBuff).
+"""When updates become new global versions: synchronous rounds, buffered async (FedBuff), or
+FedCompass's arrival groups.
 
-Both policies sit on the same core and receive each update as soon as it has been validated
+Every policy sits on the same core and receives each update as soon as it has been validated
 and decoded. A policy decides which clients should train (``task_for``) and when the
 aggregate becomes a new version (it calls ``core.apply``).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,6 +25,15 @@ from murmura.aggregation import (
     staleness_function,
 )
 from murmura.protocols import Action, Task, UpdateHeader
+from murmura.server.compass import (
+    Assignment,
+    GroupPlan,
+    choose_group,
+    new_group,
+    plan_batch,
+    refine_step_time,
+    steps_for,
+)
 from murmura.server.decoding import Decoded
 from murmura.server.errors import FailedPrecondition, InvalidArgument
 
@@ -30,6 +41,8 @@ if TYPE_CHECKING:
     from murmura.server.core import AggregatorCore, ClientRecord
 
 Release = Callable[[], None] | None
+#: Seconds per local step FedCompass plans with, at least and at most.
+STEP_TIME_RANGE = (1e-6, 86_400.0)
 
 
 def _staleness_fn(core: AggregatorCore):  # noqa: ANN202
@@ -286,3 +299,260 @@ class AsyncPolicy(Policy):
 
     def buffered(self) -> int:
         return self._count
+
+
+@dataclass
+class _Held:
+    """An update taken in and waiting for its group's aggregate."""
+
+    update: Decoded
+    weight: float
+    base_version: int
+    release: Release
+    mass: float
+
+
+@dataclass
+class _Group:
+    plan: GroupPlan
+    #: Clients assigned to the group (or planned into it) that have not arrived yet.
+    members: set[str] = field(default_factory=set)
+    arrived: dict[str, _Held] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Flight:
+    gid: int
+    steps: int
+    at: float
+
+
+class CompassPolicy(Policy):
+    """FedCompass: each client gets a number of local steps from its measured speed so that
+    the clients of one arrival group finish together; each group becomes one version.
+
+    Li et al., "FedCompass: Efficient Cross-Silo Federated Learning on Heterogeneous Client
+    Devices Using a Computing Power-Aware Scheduler", ICLR 2024,
+    https://arxiv.org/abs/2309.14675. The scheduling decisions are the pure functions of
+    :mod:`murmura.server.compass`; this class keeps the state.
+
+    * Speed: seconds per local step, first from the device profile's ``steps_per_s`` (measured
+      by the client at start), then from each task's observed time (assignment to arrival,
+      which includes the client's pull and push), averaged.
+    * Assignment: a client joins the group that gives it the most steps within
+      ``[q_min, q_max]``, or founds a group with ``q_max`` steps. The members of a group that
+      was just aggregated are placed together, fastest first. A client of unknown speed gets
+      ``q_max`` steps and no group: its update enters the next aggregate.
+    * Aggregation: when every member has arrived, or at the group's latest arrival time with
+      what has arrived, the group's updates (and any late ones) are folded with their sample
+      counts times the staleness weight and published as one version. Members that arrived
+      wait for that version (a short wait: the group was planned to arrive together); late
+      members' updates enter the next group's aggregate.
+    """
+
+    def __init__(self, core: AggregatorCore) -> None:
+        super().__init__(core)
+        self.bounds = core.config.compass_bounds()
+        self.agg = self.aggregator = make_aggregator(core)
+        self.groups: dict[int, _Group] = {}
+        self.observed: dict[str, float] = {}      # s/step from finished tasks
+        self.flights: dict[str, _Flight] = {}
+        self.planned: dict[str, Assignment] = {}  # placed at a group's close, not yet asked
+        self.late: list[tuple[str, _Held]] = []
+        self._wait_for: dict[str, int] = {}       # version that will hold the client's update
+        self._next_gid = 1
+        self._tasks = 0
+        #: Groups aggregated so far (the simulator watches it to wake waiting clients).
+        self.round = 0
+
+    # -- what the transports watch ------------------------------------------------------------
+
+    @property
+    def open(self) -> bool:
+        return bool(self.groups)
+
+    @property
+    def deadline(self) -> float:
+        return min((g.plan.latest for g in self.groups.values()), default=math.inf)
+
+    def buffered(self) -> int:
+        return sum(len(g.arrived) for g in self.groups.values()) + len(self.late)
+
+    # -- speeds and assignments ---------------------------------------------------------------
+
+    def step_time(self, rec: ClientRecord) -> float | None:
+        """Seconds per local step: observed, else from the profile, else unknown."""
+        t = self.observed.get(rec.client_id)
+        if t is None:
+            sps = rec.profile.steps_per_s
+            if not (sps > 0 and math.isfinite(sps)):
+                return None
+            t = 1.0 / sps
+        # a profile is the client's claim: keep it within a microsecond and a day per step
+        return min(max(t, STEP_TIME_RANGE[0]), STEP_TIME_RANGE[1])
+
+    def _live_plans(self, now: float) -> list[GroupPlan]:
+        return [g.plan for g in self.groups.values() if g.plan.arrival > now]
+
+    def _add_group(self, plan: GroupPlan) -> _Group:
+        g = self.groups[plan.gid] = _Group(plan)
+        self._next_gid = max(self._next_gid, plan.gid + 1)
+        return g
+
+    def _assign(self, rec: ClientRecord, now: float) -> Assignment:
+        cid = rec.client_id
+        t = self.step_time(rec)
+        planned = self.planned.pop(cid, None)
+        if planned is not None:
+            g = self.groups.get(planned.gid)
+            if g is not None:
+                g.members.discard(cid)
+                q = None if t is None else steps_for(g.plan.arrival, now, t, self.bounds)
+                if q is not None:
+                    return Assignment(planned.gid, q)
+                self._maybe_close(g)
+        if t is None:
+            return Assignment(0, self.bounds.q_max)  # unknown speed: no group yet
+        a = choose_group(self._live_plans(now), now, t, self.bounds)
+        if a is None:
+            plan = new_group(self._next_gid, now, t, self.bounds)
+            self._add_group(plan)
+            a = Assignment(plan.gid, self.bounds.q_max)
+        return a
+
+    def _forget(self, cid: str) -> None:
+        """The client's unfinished work is abandoned: it no longer counts as a member."""
+        flight = self.flights.pop(cid, None)
+        if flight is not None and flight.gid in self.groups:
+            g = self.groups[flight.gid]
+            g.members.discard(cid)
+            self._maybe_close(g)
+        planned = self.planned.pop(cid, None)
+        if planned is not None and planned.gid in self.groups:
+            g = self.groups[planned.gid]
+            g.members.discard(cid)
+            self._maybe_close(g)
+
+    def task_for(self, rec: ClientRecord) -> Task:
+        core = self.core
+        if core.done:
+            return Task(Action.STOP, version=core.version)
+        if not core.ready:
+            return Task(Action.WAIT, version=core.version, retry_after_s=0.5)
+        cid = rec.client_id
+        wait_for = self._wait_for.get(cid)
+        if wait_for is not None:
+            if core.publishing and wait_for > core.version:  # its group's version is coming
+                return Task(Action.WAIT, version=core.version, round=self.round,
+                            retry_after_s=0.2)
+            del self._wait_for[cid]
+        if any(cid in g.arrived for g in self.groups.values()):
+            return Task(Action.WAIT, version=core.version, round=self.round, retry_after_s=0.5)
+        if cid in self.flights:  # asked again without pushing: that work is lost
+            self._forget(cid)
+        now = core.clock()
+        a = self._assign(rec, now)
+        if a.gid in self.groups:
+            self.groups[a.gid].members.add(cid)
+        self.flights[cid] = _Flight(a.gid, a.steps, now)
+        self._tasks += 1
+        return Task(Action.TRAIN, version=core.version, round=a.gid,
+                    seed=core.derive_seed("compass", self._tasks, cid), local_steps=a.steps)
+
+    # -- updates and groups -------------------------------------------------------------------
+
+    def accept(self, rec: ClientRecord, header: UpdateHeader, update: Decoded,
+               staleness: int, release: Release = None) -> None:
+        cid = rec.client_id
+        weight = float(header.num_examples)
+        held = _Held(update, weight, header.base_version, release,
+                     update.max_abs * (1.0 if update.is_partial else weight))
+        now = self.core.clock()
+        flight = self.flights.pop(cid, None)
+        if flight is not None:
+            refined = refine_step_time(self.observed.get(cid), now - flight.at, flight.steps)
+            if refined is not None:
+                self.observed[cid] = refined
+        g = self.groups.get(flight.gid) if flight is not None else None
+        if g is not None and cid in g.members:
+            g.members.discard(cid)
+            g.arrived[cid] = held
+            self._maybe_close(g)
+        else:  # late, or of unknown speed: into the next aggregate
+            self.late.append((cid, held))
+            if not self.groups:
+                self._publish([], None)
+
+    def restore(self, client_id: str, header: UpdateHeader, update: Decoded,
+                staleness: int) -> None:
+        # Its group is gone with the old process: it enters the next group's aggregate as a
+        # late update does (staleness-weighted there).
+        weight = float(header.num_examples)
+        self.late.append((client_id, _Held(update, weight, header.base_version, None,
+                                           update.max_abs * (1.0 if update.is_partial
+                                                             else weight))))
+
+    def _maybe_close(self, g: _Group) -> None:
+        if not g.members and g.plan.gid in self.groups:
+            if g.arrived:
+                self._close(g)
+            else:
+                del self.groups[g.plan.gid]
+
+    def _close(self, g: _Group) -> None:
+        del self.groups[g.plan.gid]
+        members = sorted(g.arrived)
+        self._publish(sorted(g.arrived.items()), g.plan.gid)
+        # the members wait for the version with their updates, then train on it
+        target = self.core.version + self.core.publishing
+        for cid in members:
+            self._wait_for[cid] = target
+        now = self.core.clock()
+        times = {cid: t for cid in members
+                 if (t := self.observed.get(cid)) is not None}
+        planned, created = plan_batch(times, now, self._live_plans(now), self.bounds,
+                                      next_gid=self._next_gid)
+        for plan in created:
+            self._add_group(plan)
+        for cid, a in planned.items():
+            self.planned[cid] = a
+            self.groups[a.gid].members.add(cid)
+
+    def _publish(self, items: list[tuple[str, _Held]], gid: int | None) -> None:
+        """Fold a group's updates and the late ones, weighted by staleness; publish."""
+        items = items + self.late
+        self.late = []
+        if not items:
+            return
+        if self.core.finished:  # the last version is out or being made: nothing more to add
+            for _, h in items:
+                if h.release is not None:
+                    h.release()
+            return
+        version = self.core.version
+        count = 0
+        for cid, h in items:
+            count += h.update.count
+            self.core.fold(fold_into, h.update, self.agg, h.weight,
+                           factor=self.staleness(max(version - h.base_version, 0)),
+                           client_id=cid, release=h.release)
+        self.core.publish(self.agg, updates=count, round_id=gid or 0)
+        # updates held for other groups go into later aggregates: keep their mass counted
+        self.core.fold_mass = sum(h.mass for grp in self.groups.values()
+                                  for h in grp.arrived.values())
+        self.round += 1
+
+    def on_leave(self, rec: ClientRecord) -> None:
+        self._wait_for.pop(rec.client_id, None)
+        self._forget(rec.client_id)
+
+    def tick(self, now: float) -> None:
+        for g in [g for g in self.groups.values() if now >= g.plan.latest]:
+            if g.plan.gid not in self.groups:
+                continue
+            if g.arrived:
+                self._close(g)  # with what has arrived; the rest will be late
+            else:
+                del self.groups[g.plan.gid]
+        if self.late and not self.groups:
+            self._publish([], None)

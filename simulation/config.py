@@ -44,6 +44,8 @@ class SimulationConfig:
     # devices
     step_time_s: float = 0.05
     speed_spread: float = 10.0
+    stragglers: float = 0.0        # this fraction of the clients is straggler_factor x slower
+    straggler_factor: float = 100.0
     device_trace: str = ""
     uplink_mbps: float = 20.0
     downlink_mbps: float = 100.0
@@ -79,6 +81,10 @@ class SimulationConfig:
             raise ValueError(f"clients must be >= 1, got {self.clients}")
         if not self.step_time_s > 0:
             raise ValueError(f"step_time_s must be positive, got {self.step_time_s}")
+        if not 0 <= self.stragglers <= 1:
+            raise ValueError(f"stragglers is a fraction in [0, 1], got {self.stragglers}")
+        if not self.straggler_factor >= 1:
+            raise ValueError(f"straggler_factor must be >= 1, got {self.straggler_factor}")
         if not self.speed_spread >= 1:
             raise ValueError(f"speed_spread must be >= 1 (slowest / fastest), got "
                              f"{self.speed_spread}")

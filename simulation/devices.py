@@ -68,8 +68,13 @@ class DevicePopulation:
     @classmethod
     def sample(cls, n: int, *, seed: int, step_time_s: float, speed_spread: float,
                uplink_mbps: float, downlink_mbps: float, latency_ms: float,
-               bandwidth_spread: float = 1.0) -> DevicePopulation:
-        """Draw ``n`` devices: compute and bandwidth log-uniform over their spreads."""
+               bandwidth_spread: float = 1.0, stragglers: float = 0.0,
+               straggler_factor: float = 1.0) -> DevicePopulation:
+        """Draw ``n`` devices: compute and bandwidth log-uniform over their spreads; a seeded
+        ``stragglers`` fraction of them (rounded to whole clients) compute
+        ``straggler_factor`` times slower."""
+        if not (0 <= stragglers <= 1 and straggler_factor >= 1):
+            raise ValueError("stragglers must lie in [0, 1] and straggler_factor be >= 1")
         if n < 1:
             raise ValueError(f"need at least one client, got {n}")
         if speed_spread < 1 or bandwidth_spread < 1:
@@ -78,6 +83,10 @@ class DevicePopulation:
         step = log_uniform(rng, step_time_s, step_time_s * speed_spread, n)
         up = log_uniform(rng, uplink_mbps / bandwidth_spread, uplink_mbps, n)
         down = log_uniform(rng, downlink_mbps / bandwidth_spread, downlink_mbps, n)
+        slow = round(stragglers * n)
+        if slow:  # drawn from its own stream: the other devices stay as without stragglers
+            pick = np.random.default_rng([seed, 0x5EED, 2]).choice(n, size=slow, replace=False)
+            step[pick] *= straggler_factor
         return cls(step, np.asarray(mbps_to_bytes_per_s(up)),
                    np.asarray(mbps_to_bytes_per_s(down)), np.full(n, latency_ms / 1e3))
 

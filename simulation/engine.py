@@ -119,6 +119,7 @@ class _Flight:
 
     round: int
     seed: int
+    steps: int = 0                        # the server's assignment; 0: the settings' own
     version: int = -1
     params: FlatVector | None = None      # the global vector it trains from (shared)
     payload: bytearray | None = None
@@ -267,7 +268,9 @@ class Simulation:
                                        step_time_s=s.step_time_s, speed_spread=s.speed_spread,
                                        uplink_mbps=s.uplink_mbps, downlink_mbps=s.downlink_mbps,
                                        latency_ms=s.latency_ms,
-                                       bandwidth_spread=s.bandwidth_spread)
+                                       bandwidth_spread=s.bandwidth_spread,
+                                       stragglers=s.stragglers,
+                                       straggler_factor=s.straggler_factor)
 
     def _availability(self) -> Availability:
         s = self.sim
@@ -462,7 +465,7 @@ class Simulation:
         if self._retrying:
             self._retrying.pop(c, None)
         if task.action == Action.TRAIN:
-            self.flights[c] = _Flight(round=task.round, seed=task.seed)
+            self.flights[c] = _Flight(round=task.round, seed=task.seed, steps=task.local_steps)
             self._schedule(self.clock.now + 2 * self._lat(c), _PULL, c)
         elif task.action == Action.WAIT:
             self.waiting[c] = None
@@ -524,7 +527,9 @@ class Simulation:
         self.core.add_download(nbytes)
         flight.version, flight.params = version, params
         self._pending.append(c)
-        t = self.clock.now + self._latency[c] + nbytes / self._down[c] + self._compute_s[c]
+        compute = (flight.steps * float(self.devices.step_time_s[c]) if flight.steps
+                   else self._compute_s[c])
+        t = self.clock.now + self._latency[c] + nbytes / self._down[c] + compute
         self._schedule(t, _DONE, c)
 
     def _on_done(self, c: int) -> None:
@@ -577,10 +582,10 @@ class Simulation:
         self._pending = []
         if not clients:
             return
-        jobs = [Job(c, self.flights[c].params, self.flights[c].seed)  # type: ignore[arg-type]
-                for c in clients]
+        jobs = [Job(c, self.flights[c].params, self.flights[c].seed,  # type: ignore[arg-type]
+                    self.flights[c].steps) for c in clients]
         t0 = time.perf_counter()
-        results = self.executor.run(jobs, self.settings)
+        results = self._run_jobs(clients, jobs)
         self.train_wall_s += time.perf_counter() - t0
         self.batches += 1
         self.batched_jobs += len(jobs)
@@ -595,6 +600,23 @@ class Simulation:
             flight.num_examples = r.num_examples
             flight.metrics = dict(r.metrics)
             flight.params = None  # the global vector is no longer needed by this client
+
+    def _run_jobs(self, clients: list[int], jobs: list[Job]) -> list[JobResult]:
+        """Train the jobs; tasks with server-assigned local steps (FedCompass) run in one
+        batch per step count, each with the settings the client runtime would use."""
+        steps = [self.flights[c].steps for c in clients]
+        if not any(steps) or (isinstance(self.executor, VectorisedExecutor) and all(steps)):
+            return self.executor.run(jobs, self.settings)  # vmap takes per-job steps
+        results: list[JobResult | None] = [None] * len(jobs)
+        for k in sorted(set(steps)):
+            idx = [i for i, s in enumerate(steps) if s == k]
+            settings = (dataclasses.replace(self.settings, local_steps=k) if k
+                        else self.settings)
+            group = [dataclasses.replace(jobs[i], steps=0) for i in idx]
+            for i, r in zip(idx, self.executor.run(group, settings),
+                            strict=True):
+                results[i] = r
+        return results  # type: ignore[return-value]
 
     def _encode_attacked(self, clients: list[int], jobs: list[Job],
                          results: list[JobResult]) -> None:

@@ -38,6 +38,8 @@ class Job:
     client: int
     params: FlatVector
     seed: int
+    #: Local steps the server assigned this task (FedCompass); 0: the settings' own.
+    steps: int = 0
 
 
 @dataclass

@@ -104,6 +104,9 @@ def _fill_schedule(out: npt.NDArray[np.int64], n: int, settings: TaskSettings, s
 class VectorisedExecutor(Executor):
     """Trains a batch of clients with one vmapped step function per local step.
 
+    Jobs may carry their own step counts (``Job.steps``): clients with fewer steps are
+    inactive on the rest, so one batch trains clients given different amounts of work.
+
     ``model_factory`` builds the template module (its values are never used, only its
     structure); ``shares[c]`` indexes client ``c``'s examples in ``train``.
     """
@@ -185,12 +188,14 @@ class VectorisedExecutor(Executor):
     def _run_chunk(self, jobs: Sequence[Job], settings: TaskSettings) -> list[JobResult]:
         c = len(jobs)
         sizes = [len(self.shares[j.client]) for j in jobs]
-        lengths = [schedule_length(n, settings) for n in sizes]
+        # a job's own step count (server-assigned) is its local_steps: the same schedule
+        lengths = [j.steps or schedule_length(n, settings) for j, n in zip(jobs, sizes,
+                                                                          strict=True)]
         steps = max(lengths)
         width = settings.batch_size
         positions = np.full((c, steps, width), -1, dtype=np.int64)
         gen = torch.Generator()
-        if settings.local_steps:
+        if settings.local_steps or all(j.steps for j in jobs):
             for i, (n, length, job) in enumerate(zip(sizes, lengths, jobs, strict=True)):
                 _fill_schedule(positions[i, :length], n, settings, job.seed, gen)
         else:  # whole epochs: each epoch is one permutation, padded to whole batches

@@ -304,3 +304,21 @@ def test_a_restored_session_keeps_its_proven_key_and_signed_pushes_go_on(tmp_pat
         again.push(*signed(other, again, "s2"))
     assert not again.push(*signed(key, again, "s2")).duplicate
     assert again.traffic.updates == 2
+
+
+def test_compass_replays_held_updates_into_the_next_aggregate(tmp_path) -> None:
+    """A FedCompass update held for its group is acknowledged, so a restart must keep it: it
+    comes back as a late update and enters the next version."""
+    cfg = dict(mode="compass", compass_max_steps=10)
+    core = open_core(tmp_path, **cfg)
+    a = core.join("a", DeviceProfile(steps_per_s=10.0)).session
+    b = core.join("b", DeviceProfile(steps_per_s=10.0)).session
+    core.task(a), core.task(b)            # one group of two
+    push(core, a, [1, 1, 1, 1], "a1")     # held until b arrives
+    assert core.version == 0 and core.policy.buffered() == 1
+    kill(core)
+    again = open_core(tmp_path, **cfg)
+    assert again.version == 0 and again.policy.buffered() == 1
+    push(again, b, [3, 3, 3, 3], "b1")    # its group is gone with the old process
+    assert again.version == 1 and again.last_metrics["updates_in_version"] == 2
+    again.close()

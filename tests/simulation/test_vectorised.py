@@ -173,3 +173,22 @@ def test_models_vmap_cannot_run_are_refused(digits: Task) -> None:
         VectorisedExecutor(_DataDependent, digits.train, shares).probe(settings)
     with pytest.raises(VectorisationError, match="tied"):
         VectorisedExecutor(_Tied, digits.train, shares)
+
+
+def test_vmap_trains_each_job_for_its_own_assigned_steps(digits: Task) -> None:
+    # Prepare: FedCompass gives clients different step counts in one batch
+    factory = lambda: mlp(64, 32, 10)  # noqa: E731
+    shares = digits.shares(6)
+    base = TaskSettings(local_steps=10, batch_size=8, lr=0.05, momentum=0.5)
+    jobs = [Job(j.client, j.params, j.seed, steps=2 + 2 * j.client)
+            for j in _jobs(factory, 6)]
+    loop = LoopExecutor(factory, digits.train, shares)
+    # Execute
+    got = VectorisedExecutor(factory, digits.train, shares).run(jobs, base)
+    # Assert: each equals the trainer run with local_steps = the job's steps
+    for job, g in zip(jobs, got, strict=True):
+        want = loop.run([Job(job.client, job.params, job.seed)],
+                        TaskSettings(local_steps=job.steps, batch_size=8, lr=0.05,
+                                     momentum=0.5))[0]
+        assert g.metrics["steps"] == job.steps
+        assert _close(g.params, want.params) < TOLERANCE

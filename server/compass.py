@@ -1,0 +1,136 @@
+"""FedCompass's computing-power-aware scheduler, as pure functions (no clock, no state).
+
+FedCompass (Li, Chard, Foster, Kindratenko, Huerta and Ghosh, ICLR 2024,
+https://arxiv.org/abs/2309.14675) gives every client a number of local steps ``Q`` in
+``[q_min, q_max]`` from its measured speed, so that the clients of one *arrival group* finish
+at about the same time; the server aggregates each group when it has arrived. Fast devices do
+more local work instead of waiting, slow ones less, and updates are about as stale as the
+number of groups in flight rather than the number of clients.
+
+The policy that uses these functions (:class:`murmura.server.policy.CompassPolicy`) keeps the
+state: the groups, each client's speed estimate, and the buffered updates. Everything here
+takes numbers and returns numbers, so the decisions are property-tested in isolation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Assignment", "GroupPlan", "StepBounds", "choose_group", "new_group", "plan_batch",
+           "refine_step_time", "steps_for"]
+
+
+@dataclass(frozen=True)
+class StepBounds:
+    """The local steps a client may be given, and how late a group may arrive.
+
+    ``latest_factor`` is the paper's lambda: a group created at ``t0`` that is expected at
+    ``T`` is aggregated at the latest at ``T + (latest_factor - 1) * (T - t0)`` with whatever
+    has arrived; the rest arrive late and enter the next aggregate.
+    """
+
+    q_min: int
+    q_max: int
+    latest_factor: float = 1.5
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.q_min <= self.q_max:
+            raise ValueError(f"local step bounds need 1 <= q_min <= q_max, got "
+                             f"[{self.q_min}, {self.q_max}]")
+        if not (math.isfinite(self.latest_factor) and self.latest_factor >= 1):
+            raise ValueError(f"latest_factor must be a finite number >= 1, got "
+                             f"{self.latest_factor}")
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """An arrival group: when its members are expected and when it is aggregated at the
+    latest."""
+
+    gid: int
+    arrival: float
+    latest: float
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One client's task: its group and its local steps."""
+
+    gid: int
+    steps: int
+
+
+def steps_for(arrival: float, now: float, step_time: float, bounds: StepBounds) -> int | None:
+    """Steps that finish by ``arrival`` when started ``now`` at ``step_time`` s per step, if
+    that number lies within the bounds (None otherwise: the client does not fit the group).
+
+    Rounding down means a client is never predicted to arrive after its group.
+    """
+    if not (step_time > 0 and math.isfinite(step_time)) or not now < arrival < math.inf:
+        return None
+    fit = (arrival - now) / step_time + 1e-9
+    if not fit < bounds.q_max + 1:  # also inf and nan: a claimed speed can be absurd
+        return None
+    q = math.floor(fit)
+    return q if q >= bounds.q_min else None
+
+
+def choose_group(groups: Sequence[GroupPlan], now: float, step_time: float,
+                 bounds: StepBounds) -> Assignment | None:
+    """The existing group that gives the client the most local steps within the bounds (the
+    earliest such group on a tie), or None when no group fits."""
+    best: Assignment | None = None
+    for g in groups:
+        q = steps_for(g.arrival, now, step_time, bounds)
+        if q is not None and (best is None or q > best.steps):
+            best = Assignment(g.gid, q)
+    return best
+
+
+def new_group(gid: int, now: float, step_time: float, bounds: StepBounds) -> GroupPlan:
+    """A group founded by a client that fits no existing group: it gets ``q_max`` steps."""
+    span = bounds.q_max * step_time
+    return GroupPlan(gid, now + span, now + bounds.latest_factor * span)
+
+
+def plan_batch(step_times: Mapping[str, float], now: float, groups: Sequence[GroupPlan],
+               bounds: StepBounds, *, next_gid: int
+               ) -> tuple[dict[str, Assignment], list[GroupPlan]]:
+    """Assign several clients at once (the members of a group that was just aggregated).
+
+    Clients are placed fastest first (ties by id), each into the existing or new group that
+    gives it the most steps; a client that fits none founds a group with ``q_max`` steps.
+    Fastest first means a founder is the fastest member of its group, so slower clients join
+    it with fewer steps rather than each founding a group of its own.
+
+    Returns the assignments and the groups created (ids from ``next_gid`` up).
+    """
+    plans = list(groups)
+    created: list[GroupPlan] = []
+    out: dict[str, Assignment] = {}
+    for cid in sorted(step_times, key=lambda c: (step_times[c], c)):
+        t = step_times[cid]
+        a = choose_group(plans, now, t, bounds)
+        if a is None:
+            g = new_group(next_gid + len(created), now, t, bounds)
+            created.append(g)
+            plans.append(g)
+            a = Assignment(g.gid, bounds.q_max)
+        out[cid] = a
+    return out, created
+
+
+def refine_step_time(previous: float | None, elapsed_s: float, steps: int, *,
+                     weight: float = 0.5) -> float | None:
+    """The speed estimate after a task of ``steps`` steps took ``elapsed_s`` (pull, train and
+    push): the observation replaces a profile's figure and is averaged with earlier
+    observations (exponentially, ``weight`` on the new one). Nonsense observations are
+    ignored."""
+    if steps <= 0 or not (elapsed_s > 0 and math.isfinite(elapsed_s)):
+        return previous
+    observed = elapsed_s / steps
+    if previous is None:
+        return observed
+    return (1 - weight) * previous + weight * observed
