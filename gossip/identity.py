@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from murmura.gossip.errors import InvalidArgument, PermissionDenied, short
+from murmura.gossip.errors import InvalidArgument, PermissionDenied, quote
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +42,13 @@ class AddressBinding:
         """Raise a typed refusal unless ``peer_id`` at ``address`` is believable."""
         if not peer_id or len(peer_id) > MAX_ID_CHARS or not peer_id.isprintable():
             raise InvalidArgument(f"peer id must be 1..{MAX_ID_CHARS} printable characters, "
-                                  f"got {short(peer_id)}")
+                                  f"got {quote(peer_id)}")
         if not address or ":" not in address or len(address) > 256:
-            raise InvalidArgument(f"peer address must be HOST:PORT, got {short(address)}")
+            raise InvalidArgument(f"peer address must be HOST:PORT, got {quote(address)}")
         if peer_id == self.owner:
-            raise PermissionDenied(f"a peer at {short(address)} claims this peer's own id")
+            raise PermissionDenied(f"a peer at {quote(address)} claims this peer's own id")
         if self.verify is not None and not self.verify(peer_id, signature, body):
-            raise PermissionDenied(f"signature check failed for peer {short(peer_id)}")
+            raise PermissionDenied(f"signature check failed for peer {quote(peer_id)}")
         with self._lock:
             bound = self._bound.get(peer_id)
             if bound is None or bound == address:
@@ -56,7 +56,7 @@ class AddressBinding:
                 return
         # the id is bound elsewhere: refuse while the bound peer is alive (probe off the lock)
         if self.is_alive(peer_id, bound):
-            raise PermissionDenied(f"peer id {short(peer_id)} is bound to another live address")
+            raise PermissionDenied(f"peer id {quote(peer_id)} is bound to another live address")
         log.info("peer %s moved from %s to %s (the old address is dead)", peer_id, bound,
                  address)
         with self._lock:

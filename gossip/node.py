@@ -18,7 +18,7 @@ import numpy as np
 
 from murmura.aggregation import SybilWeighting
 from murmura.gossip.config import GossipConfig
-from murmura.gossip.errors import Aborted, FailedPrecondition, InvalidArgument, short
+from murmura.gossip.errors import Aborted, FailedPrecondition, InvalidArgument, quote
 from murmura.gossip.mixing import mix, parse_options
 from murmura.gossip.topology import expected_senders, stable_hash, targets
 from murmura.gossip.view import PeerView
@@ -139,7 +139,7 @@ class PeerNode:
     def check_model(self, sender: str, round_: int, num_examples: int, fingerprint: str) -> None:
         """Refuse a push by its header alone (before any payload byte is decoded)."""
         if fingerprint != self.fingerprint:
-            raise FailedPrecondition(f"model spec {short(fingerprint, 24)} differs from this "
+            raise FailedPrecondition(f"model spec {quote(fingerprint, 24)} differs from this "
                                      f"peer's {self.fingerprint}")
         if num_examples < 0:
             raise InvalidArgument(f"num_examples must be >= 0, got {num_examples}")

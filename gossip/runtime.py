@@ -29,7 +29,7 @@ from murmura.gossip.errors import (
     GossipError,
     InvalidArgument,
     Unavailable,
-    short,
+    quote,
 )
 from murmura.gossip.identity import AddressBinding, Verifier
 from murmura.gossip.node import PeerNode, training_seed
@@ -359,7 +359,7 @@ class PeerRuntime(PeerHandler):
                     signature: bytes, history: Sequence[HistoryRecord] = ()
                     ) -> tuple[PeerInfo, list[PeerInfo], list[HistoryRecord]]:
         if fingerprint != self.node.fingerprint:
-            raise FailedPrecondition(f"model spec {short(fingerprint, 24)} differs from this "
+            raise FailedPrecondition(f"model spec {quote(fingerprint, 24)} differs from this "
                                      f"peer's {self.node.fingerprint}")
         self.identity.check(sender.peer_id, sender.address, signature=signature)
         with self._lock:
@@ -374,14 +374,14 @@ class PeerRuntime(PeerHandler):
         try:
             codec = create_codec(header.codec)
         except (UnknownCodecError, CodecError):
-            raise InvalidArgument(f"unknown codec {short(header.codec)}") from None
+            raise InvalidArgument(f"unknown codec {quote(header.codec)}") from None
         if codec.needs_reference and not (self.config.seed_mode and header.codec == "seed"):
             raise InvalidArgument(f"codec {header.codec!r} needs a reference model; this peer "
                                   f"takes whole models" + ("" if self.config.seed_mode
                                                           else " (seed mode is off)"))
         if self.config.seed_mode and header.codec != "seed":
             raise InvalidArgument(f"this peer runs seed mode and takes codec 'seed' only, got "
-                                  f"{short(header.codec)}")
+                                  f"{quote(header.codec)}")
         with self._lock:
             self.node.check_model(header.sender.peer_id, header.round, header.num_examples,
                                   header.spec_fingerprint)

@@ -1,60 +1,15 @@
-"""Domain errors of the aggregator, each naming the gRPC status it maps to.
+"""The aggregator's refusals: the shared hierarchy of :mod:`murmura.protocols.errors`."""
 
-The core raises these without knowing about gRPC; the servicer maps ``status`` to
-``grpc.StatusCode`` in one place, and the simulation's in-memory transport raises them as they
-are. Messages say what was wrong and what the server expected.
-"""
+from murmura.protocols.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    ServiceError,
+    Unauthenticated,
+    Unavailable,
+)
 
-from __future__ import annotations
-
-
-class ServiceError(Exception):
-    """A request the aggregator refuses; nothing in the server's state changed."""
-
-    status = "INTERNAL"
-
-    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        #: Set on refusals that go away by themselves (back-pressure): when to try again.
-        self.retry_after_s = retry_after_s
-        #: Whether the refusal was counted already (each is counted once, wherever it surfaces).
-        self.counted = False
-
-    def __reduce__(self) -> tuple:  # cross process boundaries (worker processes) intact
-        return (_rebuild, (type(self), self.message, self.retry_after_s))
-
-
-def _rebuild(cls: type[ServiceError], message: str, retry_after_s: float | None
-             ) -> ServiceError:
-    return cls(message, retry_after_s=retry_after_s)
-
-
-class InvalidArgument(ServiceError):
-    status = "INVALID_ARGUMENT"
-
-
-class Unauthenticated(ServiceError):
-    status = "UNAUTHENTICATED"
-
-
-class PermissionDenied(ServiceError):
-    status = "PERMISSION_DENIED"
-
-
-class FailedPrecondition(ServiceError):
-    status = "FAILED_PRECONDITION"
-
-
-class ResourceExhausted(ServiceError):
-    status = "RESOURCE_EXHAUSTED"
-
-
-class Aborted(ServiceError):
-    """A conflicting operation is under way (the same update being taken in); retry."""
-
-    status = "ABORTED"
-
-
-class Unavailable(ServiceError):
-    status = "UNAVAILABLE"
+__all__ = ["Aborted", "FailedPrecondition", "InvalidArgument", "PermissionDenied",
+           "ResourceExhausted", "ServiceError", "Unauthenticated", "Unavailable"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from murmura.protocols import DeviceProfile, UpdateHeader
+from murmura.protocols.errors import quote
 from murmura.server.errors import InvalidArgument
 
 MAX_ID = 128              # client ids, update ids
@@ -28,18 +29,6 @@ MAX_FINGERPRINT = 128
 #: Far above any real data set on one client (or a leaf's sum of them), and small enough that
 #: weight times a bounded value stays far from float overflow (see core's fold bound).
 MAX_NUM_EXAMPLES = 1 << 40
-#: How many characters of an offending input a refusal may quote.
-QUOTE = 32
-
-
-def quote(value: object, limit: int = QUOTE) -> str:
-    """``repr`` of at most ``limit`` characters of ``value``, saying how long it really was."""
-    text = str(value)
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}… ({len(text)} characters)"
-
-
 def check_text(what: str, value: str, limit: int, *, allow_empty: bool = False) -> str:
     """Refuse a string that is empty (unless allowed), too long, or holds control characters."""
     if not value:

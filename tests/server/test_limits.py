@@ -9,16 +9,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from murmura.protocols import DeviceProfile, UpdateHeader
+from murmura.protocols.errors import QUOTE, quote
 from murmura.server.errors import InvalidArgument
 from murmura.server.limits import (
     MAX_METRICS,
     MAX_NUM_EXAMPLES,
-    QUOTE,
     check_header,
     check_number,
     check_profile,
     check_text,
-    quote,
 )
 from murmura.server.ratelimit import RateLimiter
 
