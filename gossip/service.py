@@ -27,27 +27,41 @@ def _abort(context: grpc.ServicerContext, exc: GossipError) -> None:
     context.abort(getattr(grpc.StatusCode, exc.status, grpc.StatusCode.UNKNOWN), str(exc))
 
 
+def _parsed(request: Any) -> Any:
+    """``request``, unless its bytes did not parse (see :func:`serde.tolerant`)."""
+    if isinstance(request, serde.Malformed):
+        raise InvalidArgument(f"{request.what} does not parse")
+    return request
+
+
 class PeerServicer:
     def __init__(self, handler: PeerHandler, *, chunk_bytes: int = serde.CHUNK_BYTES) -> None:
         self.handler = handler
         self.chunk_bytes = chunk_bytes
 
     def register(self, server: grpc.Server) -> None:
+        tolerant = serde.tolerant  # undecodable bytes: INVALID_ARGUMENT, not a traceback
         handlers = {
             "Exchange": grpc.unary_unary_rpc_method_handler(
-                self.Exchange, request_deserializer=pb.PeerExchange.FromString,
+                self.Exchange,
+                request_deserializer=tolerant(pb.PeerExchange.FromString, "PeerExchange"),
                 response_serializer=pb.PeerExchange.SerializeToString),
             "PushModel": grpc.stream_unary_rpc_method_handler(
-                self.PushModel, request_deserializer=serde.deserialize_peer_item,
+                self.PushModel,
+                request_deserializer=tolerant(serde.deserialize_peer_item, "a PeerChunk"),
                 response_serializer=pb.PeerPushReply.SerializeToString),
             "PullModel": grpc.unary_stream_rpc_method_handler(
-                self.PullModel, request_deserializer=pb.PeerPullRequest.FromString,
+                self.PullModel,
+                request_deserializer=tolerant(pb.PeerPullRequest.FromString, "PeerPullRequest"),
                 response_serializer=serde.serialize_model_item),
             "Health": grpc.unary_unary_rpc_method_handler(
-                self.Health, request_deserializer=pb.PeerHealthRequest.FromString,
+                self.Health,
+                request_deserializer=tolerant(pb.PeerHealthRequest.FromString,
+                                              "PeerHealthRequest"),
                 response_serializer=pb.PeerHealthReply.SerializeToString),
             "Goodbye": grpc.unary_unary_rpc_method_handler(
-                self.Goodbye, request_deserializer=pb.PeerExchange.FromString,
+                self.Goodbye,
+                request_deserializer=tolerant(pb.PeerExchange.FromString, "PeerExchange"),
                 response_serializer=pb.PeerPushReply.SerializeToString),
         }
         server.add_generic_rpc_handlers(
@@ -55,6 +69,7 @@ class PeerServicer:
 
     def Exchange(self, request: pb.PeerExchange, context: grpc.ServicerContext) -> Any:
         try:
+            _parsed(request)
             if len(request.peers) > 1024 or len(request.history) > 1024:
                 raise InvalidArgument(f"an exchange carries at most 1024 peers and 1024 "
                                       f"history records, got {len(request.peers)} and "
@@ -72,7 +87,7 @@ class PeerServicer:
 
     def PushModel(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
         try:
-            first = next(request_iterator, None)
+            first = _parsed(next(request_iterator, None))
             if first is None or isinstance(first, memoryview) or \
                     first.WhichOneof("kind") != "header":
                 raise InvalidArgument("a model push must begin with a PeerModelHeader chunk")
@@ -84,6 +99,7 @@ class PeerServicer:
             buf = bytearray(header.payload_bytes)
             received = 0
             for item in request_iterator:
+                _parsed(item)
                 if not isinstance(item, memoryview):
                     if item.WhichOneof("kind") != "data":
                         raise InvalidArgument("a second header inside a model push")
@@ -104,6 +120,7 @@ class PeerServicer:
 
     def PullModel(self, request: pb.PeerPullRequest, context: grpc.ServicerContext) -> Any:
         try:
+            _parsed(request)
             round_, spec, model = self.handler.on_pull(request.peer_id)
         except GossipError as exc:
             _abort(context, exc)
@@ -111,12 +128,17 @@ class PeerServicer:
                                           self.chunk_bytes)
 
     def Health(self, request: pb.PeerHealthRequest, context: grpc.ServicerContext) -> Any:
+        try:
+            _parsed(request)
+        except GossipError as exc:
+            _abort(context, exc)
         h = self.handler.on_health()
         return pb.PeerHealthReply(peer_id=h.peer_id, round=h.round, view_size=h.view_size,
                                   training=h.training)
 
     def Goodbye(self, request: pb.PeerExchange, context: grpc.ServicerContext) -> Any:
         try:
+            _parsed(request)
             self.handler.on_goodbye(serde.peer_info_from_proto(request.sender))
         except GossipError as exc:
             _abort(context, exc)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from murmura.protocols import murmura_pb2 as pb
@@ -294,3 +294,29 @@ def iter_peer_items(header: PeerModelHeader, payload: bytes | memoryview,
     view = memoryview(payload).cast("B")
     for start in range(0, len(view), chunk_bytes):
         yield view[start : start + chunk_bytes]
+
+
+# -- undecodable requests -----------------------------------------------------------------
+
+class Malformed:
+    """What a request deserializer returns for bytes that are not the expected message.
+
+    gRPC answers a deserializer's exception with a bare status and a traceback in the server's
+    log (tens of MB from a fuzzer); returning this marker lets the handler refuse with
+    INVALID_ARGUMENT and a short message instead (the aggregator and gossip peers both do).
+    """
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+
+def tolerant(parse: Callable[[bytes], Any], what: str) -> Callable[[bytes], Any]:
+    """``parse`` that returns :class:`Malformed` instead of raising."""
+    def run(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except Exception:  # noqa: BLE001 - any parse failure is the sender's malformed input
+            return Malformed(what)
+    return run

@@ -18,6 +18,7 @@ from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols import murmura_pb2_grpc as pb_grpc
 from murmura.protocols import serde
 from murmura.protocols.pool import POOL_SCALARS_CODEC
+from murmura.protocols.serde import Malformed, tolerant
 from murmura.server.buffers import ReceiveBuffer
 from murmura.server.core import AggregatorCore
 from murmura.server.errors import InvalidArgument, ServiceError, Unavailable
@@ -33,30 +34,6 @@ MAX_WAIT_S = 30.0
 #: Trailing metadata of a back-pressure refusal: milliseconds to wait before retrying (the
 #: client's GrpcTransport reads the same key).
 RETRY_AFTER_KEY = "murmura-retry-after-ms"
-
-
-class Malformed:
-    """What a request deserializer returns for bytes that are not the expected message.
-
-    gRPC answers a deserializer's exception with a bare status and a traceback in the server's
-    log (tens of MB from a fuzzer); returning this marker lets the handler refuse with
-    INVALID_ARGUMENT and a short message instead.
-    """
-
-    __slots__ = ("what",)
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-
-def tolerant(parse: Callable[[bytes], Any], what: str) -> Callable[[bytes], Any]:
-    """``parse`` that returns :class:`Malformed` instead of raising."""
-    def run(raw: bytes) -> Any:
-        try:
-            return parse(raw)
-        except Exception:  # noqa: BLE001 - any parse failure is the sender's malformed input
-            return Malformed(what)
-    return run
 
 
 class LogLimiter:

@@ -142,3 +142,21 @@ def test_an_exchange_with_another_model_spec_is_refused(peers) -> None:
     finally:
         transport.stop()
     assert len(rt.node.view) == 0
+
+
+@pytest.mark.parametrize("method", ["Exchange", "PushModel", "PullModel", "Health", "Goodbye"])
+def test_undecodable_bytes_get_invalid_argument(peers, method: str) -> None:
+    rt = peers("receiver")
+    before = rt.node.model.copy()
+    garbage = b"\xff\xff\xff\xff\x0f" + b"\x80" * 20  # a field tag that no parser accepts
+    path = f"/murmura.v1.Peer/{method}"
+    with grpc.insecure_channel(rt.address) as ch, pytest.raises(grpc.RpcError) as err:
+        if method == "PushModel":
+            ch.stream_unary(path)(iter([garbage]), timeout=5)
+        elif method == "PullModel":
+            list(ch.unary_stream(path)(garbage, timeout=5))
+        else:
+            ch.unary_unary(path)(garbage, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not parse" in err.value.details()
+    np.testing.assert_array_equal(rt.node.model, before)
