@@ -80,3 +80,7 @@ def test_seed_mode_peers_send_step_logs_and_hold_bit_identical_models(one_torch_
     assert not np.array_equal(models[0], peers[0].node.bases[0])  # it trained
     per_round = peers[0].transport.bytes_sent / 3  # step logs, two per round, + shuffles
     assert per_round < 4096, per_round  # a model push alone is 19 kB
+    # the simulator's seed mode replays the same logs in the same order: the same models
+    sim = GossipSimulation(TaskConfig(), cfg, SimulationConfig(clients=3), out_dir=None).run()
+    for i, p in enumerate(peers):
+        np.testing.assert_array_equal(sim.models[i], p.node.model)
