@@ -383,6 +383,7 @@ class GossipSimulation:
                                    seed=training_seed(self.gossip.seed, self.ids[i], round_))
             assert result.params is not None and result.encoded is not None
             node.own_update = np.subtract(result.params, node.base(round_), dtype=np.float32)
+            node.own_payload = result.encoded[1]
             node.model = result.params
             logs[i] = (result.encoded[1], result.num_examples)
         sends: dict[int, int] = {}
@@ -400,7 +401,8 @@ class GossipSimulation:
                     continue
                 update = codec.decode(logs[i][0], self.spec.size,
                                       reference=self.nodes[j].base(round_))
-                self.nodes[j].receive(me.peer_id, round_, "", update, logs[i][1])
+                self.nodes[j].receive(me.peer_id, round_, "", update, logs[i][1],
+                                      payload=logs[i][0])
                 self.nodes[j].heard_from(me)
         for i in live:
             node = self.nodes[i]
