@@ -130,6 +130,7 @@ class PeerInfo:
     address: str
     round: int = 0
     age: int = 0
+    public_key: bytes = b""  # a signing peer's Ed25519 key (first-hand messages are checked)
 
 
 @dataclass(frozen=True)

@@ -253,16 +253,18 @@ class LeaveReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "address", "round", "age")
+    __slots__ = ("peer_id", "address", "round", "age", "public_key")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     AGE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     address: str
     round: int
     age: int
-    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., round: _Optional[int] = ..., age: _Optional[int] = ...) -> None: ...
+    public_key: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., round: _Optional[int] = ..., age: _Optional[int] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class PeerExchange(_message.Message):
     __slots__ = ("sender", "peers", "spec_fingerprint", "signature", "history")

@@ -243,11 +243,13 @@ def iter_model_items(version: int, spec: ModelSpec | None, codec: str,
 # -- gossip mode ------------------------------------------------------------------------------
 
 def peer_info_to_proto(p: PeerInfo) -> pb.PeerInfo:
-    return pb.PeerInfo(peer_id=p.peer_id, address=p.address, round=p.round, age=p.age)
+    return pb.PeerInfo(peer_id=p.peer_id, address=p.address, round=p.round, age=p.age,
+                       public_key=p.public_key)
 
 
 def peer_info_from_proto(m: pb.PeerInfo) -> PeerInfo:
-    return PeerInfo(peer_id=m.peer_id, address=m.address, round=m.round, age=m.age)
+    return PeerInfo(peer_id=m.peer_id, address=m.address, round=m.round, age=m.age,
+                    public_key=bytes(m.public_key))
 
 
 def history_to_proto(records: Sequence[tuple[str, int, Any]]) -> list[pb.HistoryRecord]:
