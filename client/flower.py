@@ -175,7 +175,8 @@ class _ClientAppDriver(_Driver):
                         group_id="", created_at=time.time(), ttl=3600.0,
                         message_type=message_type)
         try:
-            reply = self.app(Message(content=content, metadata=meta), self.context)
+            make: Any = Message  # the metadata= form is missing from flwr's overloads
+            reply = self.app(make(content=content, metadata=meta), self.context)
         except Exception as exc:
             hint = (" (a ClientApp built with @app.train() has no get_parameters: point "
                     "--flower-app at its NumPyClient or client_fn)"
@@ -188,12 +189,11 @@ class _ClientAppDriver(_Driver):
         return reply.content
 
     def get_parameters(self) -> NDArrays:
-        from flwr.common import GetParametersIns
+        from flwr.common import GetParametersIns, parameters_to_ndarrays
         from flwr.compat.common.recorddict_compat import (
             getparametersins_to_recorddict,
             recorddict_to_getparametersres,
         )
-        from flwr.common import parameters_to_ndarrays
 
         content = self._send(getparametersins_to_recorddict(GetParametersIns(config={})),
                              "get_parameters")
