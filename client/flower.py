@@ -227,7 +227,10 @@ class FlowerTrainer(Trainer):
     @classmethod
     def from_client(cls, client: Any) -> FlowerTrainer:
         """Wrap a ``NumPyClient`` (or the ``Client`` its ``to_client()`` gives)."""
-        return cls(_NumPyDriver(_numpy_client(client)))
+        inner = _numpy_client(client)
+        if inner is None:
+            raise FlowerAppError(f"expected a Flower NumPyClient, got a {type(client).__name__}")
+        return cls(_NumPyDriver(inner))
 
     def initial(self) -> FlatVector:
         """The client's own starting model as a flat vector (what a server can start from)."""

@@ -55,10 +55,8 @@ def test_server_and_client_processes_run_a_flower_client(tmp_path: Path) -> None
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows][-1] == 2
     assert rows[-1]["accuracy"] > 0.3  # the initial model is at chance (about 0.1)
-    config = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() \
-        else None
-    if config is not None:
-        assert config["flower_app"].endswith("flower_client.py:client_fn")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["flower_app"].endswith("flower_client.py:client_fn")
 
 
 @pytest.mark.parametrize("value, message", [

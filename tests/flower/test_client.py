@@ -117,3 +117,13 @@ def test_a_murmura_server_trains_flower_clients_over_grpc(tmp_path: Path) -> Non
     assert not errors, errors
     assert final["version"] == 4
     assert final["accuracy"] > initial["accuracy"] + 0.3
+
+
+def test_a_message_api_client_app_is_refused_with_a_hint() -> None:
+    with pytest.raises(FlowerAppError, match=r"has no get_parameters: point --flower-app at"):
+        load_flower_client(f"{ROOT / 'tests' / 'flower' / 'sim_apps.py'}:app")
+
+
+def test_wrapping_something_else_is_a_clear_error() -> None:
+    with pytest.raises(FlowerAppError, match="expected a Flower NumPyClient, got a dict"):
+        FlowerTrainer.from_client({})
