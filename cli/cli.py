@@ -298,7 +298,13 @@ async def _serve(server_cfg: Any, task: Any, args: argparse.Namespace) -> int:
             resume = None  # the durable state is the fuller record; it is used by itself
     # Durable (the default): OUT/state.db keeps what a restart needs, and a server started on
     # an OUT that holds state resumes from it (it logs "resumed from the durable state").
-    core = build_core(server_cfg, task, out_dir=out, resume=resume, durable=args.durable)
+    if args.flower_app:  # the model a Flower client starts from (docs/flower.md)
+        from murmura.server.flower import flower_core
+
+        core = flower_core(server_cfg, args.flower_app, out_dir=out, resume=resume,
+                           durable=args.durable)
+    else:
+        core = build_core(server_cfg, task, out_dir=out, resume=resume, durable=args.durable)
     srv = AggregatorServer(core)
     await srv.start()
     print(f"murmura server listening on {srv.address}", flush=True)
@@ -445,7 +451,14 @@ def cmd_client(args: argparse.Namespace) -> int:
         identity = None
         if args.run_key_seed is not None:  # a client process of `murmura run` (not on Linux)
             identity, _ = run_identity(args.run_key_seed, cfg.client_index)
-        run_client(cfg, task, identity=identity)
+        if args.flower_app:  # a Flower client as the trainer (docs/flower.md)
+            from murmura.client.flower import run_flower_client
+
+            stats = run_flower_client(cfg, args.flower_app, identity=identity)
+            print(f"client: {stats.pushed} updates pushed, {stats.refused} refused",
+                  flush=True)
+        else:
+            run_client(cfg, task, identity=identity)
     except RemoteError as exc:
         print(f"murmura client: {exc}", file=sys.stderr)
         return 2
@@ -562,6 +575,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "after a crash or restart (default: on)")
     p.add_argument("--linger-s", type=float, default=5.0,
                    help="after the last version, keep telling clients to stop (default: 5)")
+    p.add_argument("--flower-app", default=None, metavar="MODULE:ATTR",
+                   help="serve the model of this Flower NumPyClient/client_fn/ClientApp "
+                   "(MODULE importable or FILE.py) instead of --task's model; see "
+                   "docs/flower.md")
     p.set_defaults(fn=cmd_server)
 
     p = sub.add_parser("client", help="run one client against an aggregator",
@@ -571,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, ClientConfig, title="client")
     add_arguments(p, TaskConfig, title="task")
     p.add_argument("--run-key-seed", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--flower-app", default=None, metavar="MODULE:ATTR",
+                   help="train with this Flower NumPyClient/client_fn/ClientApp (MODULE "
+                   "importable or FILE.py) instead of --task's model; see docs/flower.md")
     p.set_defaults(fn=cmd_client)
 
     p = sub.add_parser("peer", help="run one gossip peer (no server)",
