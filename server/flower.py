@@ -175,8 +175,9 @@ class MurmuraStrategy(FedAvg):
 
 
 class RobustStrategy(MurmuraStrategy):
-    """Murmura's recommended robust rule (``default``: Sybil weighting, then centred
-    clipping) or another robust rule by name: ``median``, ``trimmed-mean``, ``krum``..."""
+    """Murmura's recommended robust rule (``default``: Sybil weighting, a norm cap, then the
+    coordinate-wise median) or another robust rule by name: ``median``, ``trimmed-mean``,
+    ``krum``..."""
 
     def __init__(self, rule: str = "default", rule_options: dict[str, Any] | None = None,
                  **kwargs: Any) -> None:
