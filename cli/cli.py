@@ -450,6 +450,16 @@ def cmd_client(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- murmura new ------------------------------------------------------------------------------
+
+def cmd_new(args: argparse.Namespace) -> int:
+    from murmura.new import scaffold
+
+    path = scaffold(args.name, args.dir, force=args.force)
+    print(f"wrote {path}; run it with: murmura run --app {path} --in-process")
+    return 0
+
+
 # -- murmura keys / certs --------------------------------------------------------------------
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -581,6 +591,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, GossipConfig, title="gossip")
     add_arguments(p, TaskConfig, title="task")
     p.set_defaults(fn=cmd_peer)
+
+    p = sub.add_parser("new", help="write a starting app file NAME.py (docs/apps.md)",
+                       description="Write NAME.py, an app file with a small model, generated "
+                       "client data, a train function and comments on what else an app can "
+                       "define; `murmura run --app NAME.py` runs it as it is.")
+    p.add_argument("name", metavar="NAME", help="the app's name: writes NAME.py")
+    p.add_argument("--dir", default=".", help="directory to write it in (default: .)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing NAME.py")
+    p.set_defaults(fn=cmd_new)
 
     p = sub.add_parser("keys", help="node identity keys (Ed25519)",
                        description="Make a node identity: an Ed25519 key whose public key "

@@ -211,9 +211,8 @@ class AppTask(Task):
         """Every client's data gathered into :attr:`train`; returns each client's rows."""
         if self._shares is not None and len(self._shares) == num_clients:
             return self._shares
-        parts = [self.client_data(i, num_clients) for i in range(num_clients)]
-        if not all(isinstance(p, ArrayDataset) for p in parts):
-            raise self.app.fail("the simulator needs client_data() to return arrays")
+        parts = [self.app.arrays(self.client_data(i, num_clients), "client_data()")
+                 for i in range(num_clients)]
         shapes = {p.x.shape[1:] for p in parts}
         if len(shapes) != 1:
             raise self.app.fail(f"client_data() inputs differ in shape between clients: "
