@@ -79,7 +79,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if (out / "metrics.jsonl").exists():
         (out / "metrics.jsonl").unlink()  # a new run starts a new metrics file
-    print(f"murmura run: {run.clients} clients, mode={server.mode}, task={task.app or task.task}, "
+    print(f"murmura run: {run.clients} clients, mode={server.mode}, "
+          f"task={task.app or task.task}, "
           f"codec={server.train.codec}, out={out}", file=sys.stderr)
     t0 = time.monotonic()
     # Fork client processes first, before this process runs any torch op or gRPC call.

@@ -254,10 +254,10 @@ def holdout(data: Any, *, seed: int, fraction: float = HOLDOUT_FRACTION
                         fraction=fraction)
         if split is None:
             return None
-        rows = [s.x[:, 0].astype(np.int64) for s in split]
+        rows: list[Any] = [s.x[:, 0].astype(np.int64) for s in split]
         if tensors:
-            return tuple((data[0][r], data[1][r]) for r in (torch.from_numpy(r) for r in rows))
-        return tuple((data[0][r], data[1][r]) for r in rows)  # type: ignore[return-value]
+            rows = [torch.from_numpy(r) for r in rows]
+        return (data[0][rows[0]], data[1][rows[0]]), (data[0][rows[1]], data[1][rows[1]])
     if not isinstance(data, ArrayDataset) or len(data) < 2:
         return None
     train, test = train_test_split(data, test_fraction=fraction, seed=seed)
