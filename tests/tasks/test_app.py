@@ -192,3 +192,19 @@ def test_murmura_new_writes_an_app_that_loads_and_trains(tmp_path) -> None:
     result = trainer.train(params, TaskSettings(local_epochs=1), seed=0)
     assert result.num_examples == len(data[1])
     assert task.test is not None and task.evaluate(task.build_model(), task.test)["accuracy"] >= 0
+
+
+def test_the_spirals_example_app_trains_evaluates_and_clips_by_name() -> None:
+    task = load_task(TaskConfig(app=str(ROOT / "examples" / "spirals_app.py")))
+    data = task.client_data(2, 4)
+    trainer = task_trainer(task, data)
+    start = task.build_model(seed=0)
+    spec = ModelSpec.from_module(start)
+    result = trainer.train(spec.flatten(start), TaskSettings(lr=0.01, local_epochs=1), seed=0)
+    assert result.num_examples == 300 and result.metrics["train_loss"] > 0
+    figures = task.evaluate(task.build_model(), task.test)
+    assert set(figures) == {"accuracy", "loss", "outer_accuracy"}
+    agg = create_aggregator("spirals-clipped-mean", 2, scale=1.0)
+    for update in ([1.0, 0.0], [0.0, 1.0], [30.0, 0.0]):  # the last is clipped to norm 1
+        agg.add(np.asarray(update, np.float32), 1.0)
+    np.testing.assert_allclose(agg.result(), [2 / 3, 1 / 3], rtol=1e-6)
