@@ -40,7 +40,9 @@ class TaskSettings:
     zo_eps: float = 1e-3
     #: Clients evaluate the global model they pull on their local test split once every this
     #: many versions and report it with their next update (0: never; docs/apps.md).
-    client_eval_every: int = 0
+    client_eval_every: int = field(default=0, metadata={"help": (
+        "clients evaluate the global model on their local test split every N versions; the "
+        "weighted mean, min and max go into metrics.jsonl (default: 0, never)")})
 
     def __post_init__(self) -> None:
         if self.client_eval_every < 0:

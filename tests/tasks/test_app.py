@@ -208,3 +208,14 @@ def test_the_spirals_example_app_trains_evaluates_and_clips_by_name() -> None:
     for update in ([1.0, 0.0], [0.0, 1.0], [30.0, 0.0]):  # the last is clipped to norm 1
         agg.add(np.asarray(update, np.float32), 1.0)
     np.testing.assert_allclose(agg.result(), [2 / 3, 1 / 3], rtol=1e-6)
+
+
+def test_the_config_file_names_an_app_and_the_eval_interval(tmp_path) -> None:
+    from murmura.config import build, read_toml
+
+    path = write_app(tmp_path, "toml_app", suffix="toml")
+    (tmp_path / "run.toml").write_text(f'[task]\napp = "{path}"\n\n'
+                                       f'[server]\nclient_eval_every = 3\n')
+    toml = read_toml(tmp_path / "run.toml")
+    assert build(TaskConfig, toml["task"], section="task").app == str(path)
+    assert build(ServerConfig, toml["server"], section="server").train.client_eval_every == 3
