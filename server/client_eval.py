@@ -15,7 +15,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from murmura.server.limits import MAX_NUM_EXAMPLES
+
 log = logging.getLogger(__name__)
+
+#: Bounds on a report, so no client can push a mean to overflow (as for ``num_examples``).
+MAX_VALUE = 1e30
 
 PREFIX = "eval_"
 VERSION_KEY = "eval_version"
@@ -40,8 +45,8 @@ def report_from_metrics(client_id: str, metrics: Mapping[str, float]) -> ClientE
     version, examples = metrics.get(VERSION_KEY, -1.0), metrics.get(EXAMPLES_KEY, 0.0)
     values = {k[len(PREFIX):]: float(v) for k, v in metrics.items()
               if k.startswith(PREFIX) and k not in (VERSION_KEY, EXAMPLES_KEY)}
-    if (not version >= 0 or version != int(version) or not examples >= 1
-            or not all(math.isfinite(v) for v in values.values())):
+    if (not version >= 0 or version != int(version) or not 1 <= examples <= MAX_NUM_EXAMPLES
+            or not all(math.isfinite(v) and abs(v) <= MAX_VALUE for v in values.values())):
         log.warning("client %s sent a malformed evaluation report (version %r, %r examples); "
                     "ignored", client_id[:40], version, examples)
         return None

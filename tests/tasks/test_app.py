@@ -176,6 +176,9 @@ def test_the_server_folds_reports_into_weighted_mean_min_and_max() -> None:
     assert evals.flush() == {}
     assert report_from_metrics("e", {"train_loss": 1.0}) is None
     assert report_from_metrics("e", {"eval_version": 1.5, "eval_examples": 3.0}) is None
+    assert report_from_metrics("e", {"eval_version": 1.0, "eval_examples": 1e300}) is None
+    assert report_from_metrics("e", {"eval_version": 1.0, "eval_examples": 3.0,
+                                     "eval_accuracy": 1e300}) is None
     json.dumps(row)
 
 
