@@ -394,13 +394,25 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
     if isinstance(trainer, SettingsTrainer) and isinstance(data, ArrayDataset) and len(data):
         micro = cfg.micro_batch
         if not micro and device.type == "cuda":  # the most rows that fit the cap
-            micro = probe_micro_batch(trainer.model, torch.from_numpy(data.x[:16]),
-                                      torch.from_numpy(data.y[:16]), device=device)
+            try:
+                micro = probe_micro_batch(trainer.model, torch.from_numpy(data.x[:16]),
+                                          torch.from_numpy(data.y[:16]), device=device)
+            except ValueError as exc:  # not one example's backward pass fits
+                if cfg.trainer != "auto":
+                    raise
+                log.warning("%s: training zeroth-order (lr %g) whatever the server asks", exc,
+                            cfg.zo_lr)
+                trainer.train_zeroth_order_only(cfg.zo_lr)
         trainer.first_order.micro_batch = micro
         if cfg.profile:  # a short timed warm-up: the server plans work from it
             profile = profile_device(trainer.model, torch.from_numpy(data.x[:16]),
                                      torch.from_numpy(data.y[:16]), device=trainer.device,
                                      amp=cfg.amp)
+    if cfg.trainer == "zo":
+        if not isinstance(trainer, SettingsTrainer):
+            raise ValueError("--trainer zo needs Murmura's own trainer; this app defines "
+                             "train()")
+        trainer.train_zeroth_order_only(cfg.zo_lr)
     running = StatusTrainer(trainer, cfg.status_file) if cfg.status_file else trainer
     running = with_client_eval(running, trainer, task, data, index=cfg.client_index,
                                num_clients=cfg.num_clients, seed=task_cfg.data_seed)
