@@ -129,6 +129,15 @@ def register_aggregator(name: str, factory: AggregatorFactory) -> None:
     _REGISTRY[name] = factory
 
 
+def aggregation_rule(name: str) -> Callable[[AggregatorFactory], AggregatorFactory]:
+    """Decorator form of :func:`register_aggregator`, so an app file can define a rule and
+    make it selectable by name (``--defense NAME``) in one place."""
+    def register(factory: AggregatorFactory) -> AggregatorFactory:
+        register_aggregator(name, factory)
+        return factory
+    return register
+
+
 def create_aggregator(name: str, size: int, **options: Any) -> Aggregator:
     """Build the aggregator registered as ``name`` for vectors of ``size`` values."""
     try:

@@ -79,7 +79,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if (out / "metrics.jsonl").exists():
         (out / "metrics.jsonl").unlink()  # a new run starts a new metrics file
-    print(f"murmura run: {run.clients} clients, mode={server.mode}, task={task.task}, "
+    print(f"murmura run: {run.clients} clients, mode={server.mode}, "
+          f"task={task.app or task.task}, "
           f"codec={server.train.codec}, out={out}", file=sys.stderr)
     t0 = time.monotonic()
     # Fork client processes first, before this process runs any torch op or gRPC call.
@@ -174,6 +175,8 @@ class ClientLauncher:
                "--num-clients", str(self.run.clients), "--threads", str(self.run.client_threads),
                "--task", task.task, "--model", task.model, "--partition", task.partition,
                "--alpha", str(task.alpha), "--data-seed", str(task.data_seed)]
+        if task.app:
+            cmd += ["--app", task.app]
         if self.device:
             cmd += ["--device", self.device]
         with open(self.logs / f"client-{i:03d}.log", "wb") as logf:
@@ -362,7 +365,8 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
     ``identity`` if given (else ``cfg``'s key, a fresh one, or its legacy client id)."""
     import torch
 
-    from murmura.client import ClientRuntime, GrpcTransport, RetryPolicy, make_trainer
+    from murmura.client import ClientRuntime, GrpcTransport, RetryPolicy, SettingsTrainer
+    from murmura.client.app import task_trainer, with_client_eval
     from murmura.client.malicious import make_attack
     from murmura.client.status import StatusTrainer
     from murmura.edge import (
@@ -372,7 +376,7 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
         resolve_device,
     )
     from murmura.protocols.tls import channel_credentials
-    from murmura.tasks import load_task
+    from murmura.tasks import ArrayDataset, load_task
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -389,28 +393,35 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
     data = task.client_data(cfg.client_index, cfg.num_clients)
     if attack.data is not None:
         data = attack.data(data)
-    # The server's settings (sent at join) choose first-order or zeroth-order training per task.
-    trainer = make_trainer(task.build_model(), data, device=str(device), amp=cfg.amp)
-    micro = cfg.micro_batch
-    if not micro and device.type == "cuda" and len(data):  # the most rows that fit the cap
-        try:
-            micro = probe_micro_batch(trainer.model, torch.from_numpy(data.x[:16]),
-                                      torch.from_numpy(data.y[:16]), device=device)
-        except ValueError as exc:  # not one example's backward pass fits
-            if cfg.trainer != "auto":
-                raise
-            log.warning("%s: training zeroth-order (lr %g) whatever the server asks", exc,
-                        cfg.zo_lr)
-            trainer.train_zeroth_order_only(cfg.zo_lr)
+    # The server's settings (sent at join) choose first-order or zeroth-order training per task;
+    # an app's own train function replaces both (client/app.py).
+    trainer = task_trainer(task, data, device=str(device), amp=cfg.amp)
+    profile = device_profile(device)
+    if isinstance(trainer, SettingsTrainer) and isinstance(data, ArrayDataset) and len(data):
+        micro = cfg.micro_batch
+        if not micro and device.type == "cuda":  # the most rows that fit the cap
+            try:
+                micro = probe_micro_batch(trainer.model, torch.from_numpy(data.x[:16]),
+                                          torch.from_numpy(data.y[:16]), device=device)
+            except ValueError as exc:  # not one example's backward pass fits
+                if cfg.trainer != "auto":
+                    raise
+                log.warning("%s: training zeroth-order (lr %g) whatever the server asks", exc,
+                            cfg.zo_lr)
+                trainer.train_zeroth_order_only(cfg.zo_lr)
+        trainer.first_order.micro_batch = micro
+        if cfg.profile:  # a short timed warm-up: the server plans work from it
+            profile = profile_device(trainer.model, torch.from_numpy(data.x[:16]),
+                                     torch.from_numpy(data.y[:16]), device=trainer.device,
+                                     amp=cfg.amp)
     if cfg.trainer == "zo":
+        if not isinstance(trainer, SettingsTrainer):
+            raise ValueError("--trainer zo needs Murmura's own trainer; this app defines "
+                             "train()")
         trainer.train_zeroth_order_only(cfg.zo_lr)
-    trainer.first_order.micro_batch = micro
-    profile = device_profile(trainer.device)
-    if cfg.profile and len(data):  # a short timed warm-up: the server plans work from it
-        profile = profile_device(trainer.model, torch.from_numpy(data.x[:16]),
-                                 torch.from_numpy(data.y[:16]), device=trainer.device,
-                                 amp=cfg.amp)
     running = StatusTrainer(trainer, cfg.status_file) if cfg.status_file else trainer
+    running = with_client_eval(running, trainer, task, data, index=cfg.client_index,
+                               num_clients=cfg.num_clients, seed=task_cfg.data_seed)
     transport = GrpcTransport(cfg.server, tls=tls, insecure=cfg.insecure)
     try:
         runtime = ClientRuntime(transport, running, client_id=cfg.client_id, identity=identity,
@@ -462,6 +473,16 @@ def cmd_client(args: argparse.Namespace) -> int:
     except RemoteError as exc:
         print(f"murmura client: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+# -- murmura new ------------------------------------------------------------------------------
+
+def cmd_new(args: argparse.Namespace) -> int:
+    from murmura.new import scaffold
+
+    path = scaffold(args.name, args.dir, force=args.force)
+    print(f"wrote {path}; run it with: murmura run --app {path} --in-process")
     return 0
 
 
@@ -603,6 +624,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, GossipConfig, title="gossip")
     add_arguments(p, TaskConfig, title="task")
     p.set_defaults(fn=cmd_peer)
+
+    p = sub.add_parser("new", help="write a starting app file NAME.py (docs/apps.md)",
+                       description="Write NAME.py, an app file with a small model, generated "
+                       "client data, a train function and comments on what else an app can "
+                       "define; `murmura run --app NAME.py` runs it as it is.")
+    p.add_argument("name", metavar="NAME", help="the app's name: writes NAME.py")
+    p.add_argument("--dir", default=".", help="directory to write it in (default: .)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing NAME.py")
+    p.set_defaults(fn=cmd_new)
 
     p = sub.add_parser("keys", help="node identity keys (Ed25519)",
                        description="Make a node identity: an Ed25519 key whose public key "

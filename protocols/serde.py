@@ -52,7 +52,7 @@ def settings_to_proto(s: TaskSettings) -> pb.TaskSettings:
                            local_steps=s.local_steps, batch_size=s.batch_size, lr=s.lr,
                            momentum=s.momentum, codec=s.codec,
                            codec_options=dict(s.codec_options), seed=s.seed,
-                           zo_eps=s.zo_eps)
+                           zo_eps=s.zo_eps, client_eval_every=s.client_eval_every)
 
 
 def settings_from_proto(m: pb.TaskSettings) -> TaskSettings:
@@ -60,7 +60,8 @@ def settings_from_proto(m: pb.TaskSettings) -> TaskSettings:
                         local_steps=m.local_steps, batch_size=m.batch_size, lr=m.lr,
                         momentum=m.momentum, codec=m.codec,
                         codec_options=dict(m.codec_options), seed=m.seed,
-                        zo_eps=m.zo_eps or 1e-3)
+                        zo_eps=m.zo_eps or 1e-3,
+                        client_eval_every=max(m.client_eval_every, 0))
 
 
 def task_to_proto(t: Task) -> pb.TaskReply:

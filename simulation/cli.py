@@ -76,7 +76,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if sim.gossip:
         return _simulate_gossip(task, sim, toml, args)
     print(f"murmura simulate: {sim.clients} virtual clients, mode={server.mode}, "
-          f"task={task.task}, codec={server.train.codec}, speed spread {sim.speed_spread:g}x, "
+          f"task={task.app or task.task}, codec={server.train.codec}, "
+          f"speed spread {sim.speed_spread:g}x, "
           f"availability={sim.availability}, out={sim.out}", file=sys.stderr)
     progress = Progress(server.max_versions)
     try:
