@@ -6,6 +6,8 @@ runtime runs unchanged over the network and inside a simulated federation.
 
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
 
 import grpc
@@ -28,6 +30,12 @@ from murmura.protocols import murmura_pb2_grpc as pb_grpc
 from murmura.protocols.identity import NodeKey
 from murmura.protocols.pool import POOL_SCALARS_CODEC
 from murmura.protocols.tls import ClientTls, channel_credentials, is_loopback
+
+log = logging.getLogger(__name__)
+
+#: How long a first contact (Join, Challenge) waits for a connection before it fails with
+#: UNAVAILABLE; the retry policy then tries again or gives up.
+CONNECT_TIMEOUT_S = 3.0
 
 #: Statuses worth retrying after a pause: the server is away, overloaded or restarting.
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED"})
@@ -114,13 +122,17 @@ class GrpcTransport(Transport):
 
     def __init__(self, address: str, *, timeout_s: float = 60.0,
                  chunk_bytes: int = serde.CHUNK_BYTES, tls: ClientTls | None = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._unreachable_since: float | None = None
         self.chunk_bytes = chunk_bytes
         options = [
             ("grpc.max_receive_message_length", 4 * chunk_bytes + (1 << 16)),
             ("grpc.max_send_message_length", 4 * chunk_bytes + (1 << 16)),
+            # reconnect within seconds of a restarted server, not gRPC's 2-minute backoff cap
+            ("grpc.max_reconnect_backoff_ms", 5000),
         ]
         if tls is not None:
             self._channel = grpc.secure_channel(address, channel_credentials(tls), options)
@@ -155,7 +167,34 @@ class GrpcTransport(Transport):
         return RemoteError(code.name if code else "UNKNOWN", details or "",
                            retry_after_s=retry_after)
 
+    def connect(self) -> None:
+        """Wait up to ``connect_timeout_s`` for a connection to the aggregator.
+
+        Join and Challenge wait for the channel to be ready; without this bound a client
+        pointed at a port with nothing listening would sit silent until the call deadline.
+        Raises a retryable :class:`RemoteError` (``UNAVAILABLE``) naming the address, and logs
+        a warning with a hint the first time, so the runtime's retry policy decides when to
+        give up.
+        """
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=self.connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            first = self._unreachable_since is None
+            if first:
+                self._unreachable_since = time.monotonic()
+            waited = time.monotonic() - (self._unreachable_since or 0.0)
+            message = (f"cannot reach the aggregator at {self.address[:80]} (nothing answered "
+                       f"for {waited + self.connect_timeout_s:.0f} s): is `murmura server` "
+                       f"running there? check the address, the port and TLS settings")
+            if first:
+                log.warning("%s; retrying until --give-up-after-s", message)
+            raise RemoteError("UNAVAILABLE", message) from None
+        if self._unreachable_since is not None:
+            log.info("connected to the aggregator at %s", self.address[:80])
+            self._unreachable_since = None
+
     def challenge(self) -> bytes:
+        self.connect()
         try:
             reply = self._stub.Challenge(pb.ChallengeRequest(), timeout=self.timeout_s,
                                          wait_for_ready=True)
@@ -170,6 +209,7 @@ class GrpcTransport(Transport):
         if proof is not None:
             req.public_key, req.nonce, req.signature = (proof.public_key, proof.nonce,
                                                         proof.signature)
+        self.connect()
         try:
             reply = self._stub.Join(req, timeout=self.timeout_s, wait_for_ready=True)
         except grpc.RpcError as exc:
