@@ -119,7 +119,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"final test accuracy {acc:.4f} after {summary['versions']} versions "
           f"({summary['updates']} updates, {summary['bytes_up'] / 1e6:.2f} MB up) "
           f"in {summary['wall_s']:.1f} s" if acc is not None else "no version was published")
-    print(f"results: {out}/metrics.jsonl, {out}/summary.json, {out}/accuracy.png")
+    written = [f"{out}/{name}" for name in ("metrics.jsonl", "summary.json", "accuracy.png")
+               if (out / name).exists()]
+    print(f"results: {', '.join(written)}")
     if interrupted.is_set():
         return 130
     return 0 if finished and not failed else 1
@@ -414,7 +416,13 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
     ``identity`` if given (else ``cfg``'s key, a fresh one, or its legacy client id)."""
     import torch
 
-    from murmura.client import ClientRuntime, GrpcTransport, RetryPolicy, make_trainer
+    from murmura.client import (
+        ClientRuntime,
+        GrpcTransport,
+        RemoteError,
+        RetryPolicy,
+        make_trainer,
+    )
     from murmura.client.malicious import make_attack
     from murmura.client.status import StatusTrainer
     from murmura.edge import (
@@ -433,31 +441,36 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
     tls = cfg.tls()
     if tls is not None:
         channel_credentials(tls)  # the same: missing or mismatched files fail now
-    device = resolve_device(cfg.device)
-    if cfg.memory_fraction and device.type == "cuda":  # one of several clients on this GPU
-        torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, device)
-    task = load_task(task_cfg)
-    attack = make_attack(cfg.attack, cfg.attack_options, seed=cfg.client_index)
-    data = task.client_data(cfg.client_index, cfg.num_clients)
-    if attack.data is not None:
-        data = attack.data(data)
-    # The server's settings (sent at join) choose first-order or zeroth-order training per task.
-    trainer = make_trainer(task.build_model(), data, device=str(device), amp=cfg.amp)
-    micro = cfg.micro_batch
-    if not micro and device.type == "cuda" and len(data):  # the most rows that fit the cap
-        micro = probe_micro_batch(trainer.model, torch.from_numpy(data.x[:16]),
-                                  torch.from_numpy(data.y[:16]), device=device)
-    trainer.first_order.micro_batch = micro
-    profile = device_profile(trainer.device)
-    if cfg.profile and len(data):  # a short timed warm-up: the server plans work from it
-        profile = profile_device(trainer.model, torch.from_numpy(data.x[:16]),
-                                 torch.from_numpy(data.y[:16]), device=trainer.device,
-                                 amp=cfg.amp)
-    running = StatusTrainer(trainer, cfg.status_file) if cfg.status_file else trainer
     # a first contact waits at most a few seconds (or the give-up time) before it says so
+    connect_s = min(3.0, max(cfg.give_up_after_s, 0.5))
     transport = GrpcTransport(cfg.server, tls=tls, insecure=cfg.insecure,
-                              connect_timeout_s=min(3.0, max(cfg.give_up_after_s, 0.5)))
+                              connect_timeout_s=connect_s)
     try:
+        # one try before loading data: a wrong address is reported (a warning naming it)
+        # within seconds; the runtime then retries until --give-up-after-s
+        with contextlib.suppress(RemoteError):
+            transport.connect()
+        device = resolve_device(cfg.device)
+        if cfg.memory_fraction and device.type == "cuda":  # one of several clients on a GPU
+            torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, device)
+        task = load_task(task_cfg)
+        attack = make_attack(cfg.attack, cfg.attack_options, seed=cfg.client_index)
+        data = task.client_data(cfg.client_index, cfg.num_clients)
+        if attack.data is not None:
+            data = attack.data(data)
+        # The server's settings (sent at join) choose first- or zeroth-order training per task.
+        trainer = make_trainer(task.build_model(), data, device=str(device), amp=cfg.amp)
+        micro = cfg.micro_batch
+        if not micro and device.type == "cuda" and len(data):  # most rows that fit the cap
+            micro = probe_micro_batch(trainer.model, torch.from_numpy(data.x[:16]),
+                                      torch.from_numpy(data.y[:16]), device=device)
+        trainer.first_order.micro_batch = micro
+        profile = device_profile(trainer.device)
+        if cfg.profile and len(data):  # a short timed warm-up: the server plans work from it
+            profile = profile_device(trainer.model, torch.from_numpy(data.x[:16]),
+                                     torch.from_numpy(data.y[:16]), device=trainer.device,
+                                     amp=cfg.amp)
+        running = StatusTrainer(trainer, cfg.status_file) if cfg.status_file else trainer
         runtime = ClientRuntime(transport, running, client_id=cfg.client_id, identity=identity,
                                 profile=profile, token=cfg.token,
                                 codec=cfg.codec, wait_s=cfg.wait_s, update_hook=attack.update,
@@ -570,8 +583,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.required or action.default in (None, False) \
-                or action.default is argparse.SUPPRESS or not action.option_strings:
+        if "default" in text or action.required or action.default is None \
+                or action.default is False or action.default is argparse.SUPPRESS \
+                or not action.option_strings:
             return text
         return super()._get_help_string(action) or text
 

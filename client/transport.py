@@ -176,9 +176,11 @@ class GrpcTransport(Transport):
         a warning with a hint the first time, so the runtime's retry policy decides when to
         give up.
         """
+        ready = grpc.channel_ready_future(self._channel)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=self.connect_timeout_s)
+            ready.result(timeout=self.connect_timeout_s)
         except grpc.FutureTimeoutError:
+            ready.cancel()  # stops watching the channel (which may be closed next)
             first = self._unreachable_since is None
             if first:
                 self._unreachable_since = time.monotonic()
@@ -187,7 +189,7 @@ class GrpcTransport(Transport):
                        f"for {waited + self.connect_timeout_s:.0f} s): is `murmura server` "
                        f"running there? check the address, the port and TLS settings")
             if first:
-                log.warning("%s; retrying until --give-up-after-s", message)
+                log.warning(message)
             raise RemoteError("UNAVAILABLE", message) from None
         if self._unreachable_since is not None:
             log.info("connected to the aggregator at %s", self.address[:80])

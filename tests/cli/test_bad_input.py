@@ -95,7 +95,7 @@ def issue_results(tmp_path_factory: pytest.TempPathFactory
             return murmura(*(a.format(**names) for a in argv), cwd=root), names
 
         with ThreadPoolExecutor(max_workers=2) as pool:
-            return dict(zip(ISSUE_CASES, pool.map(one, ISSUE_CASES)))
+            return dict(zip(ISSUE_CASES, pool.map(one, ISSUE_CASES), strict=True))
 
 
 @pytest.mark.parametrize("case", list(ISSUE_CASES))
