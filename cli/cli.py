@@ -236,7 +236,7 @@ def _client_thread(task_cfg: Any, address: str, index: int, run: RunConfig,
     identity, legacy_id = run_identity(key_seed, index)
     cfg = ClientConfig(server=address, client_id=legacy_id, client_index=index,
                        num_clients=run.clients, device="cpu", threads=run.client_threads)
-    run_client(cfg, task_cfg, identity=identity)
+    run_client(cfg, task_cfg, identity=identity, report=False)
 
 
 def _alive(c: Any) -> bool:
@@ -411,7 +411,7 @@ async def _serve_leaf(server_cfg: Any, task: Any, args: argparse.Namespace,
 
 # -- murmura client ---------------------------------------------------------------------------
 
-def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
+def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None, report: bool = True) -> Any:
     """Join ``cfg.server`` and train the bundled task's share ``cfg.client_index``, under
     ``identity`` if given (else ``cfg``'s key, a fresh one, or its legacy client id)."""
     import torch
@@ -478,8 +478,9 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
                                 on_ack=_ack_logger(cfg.ack_log) if cfg.ack_log else None)
         log.info("client id %s", runtime.client_id)
         stats = runtime.run(max_tasks=cfg.max_tasks)
-        print(f"client {runtime.client_id}: {stats.pushed} updates pushed, {stats.refused} "
-              f"refused, {stats.retries} retries", flush=True)
+        if report:  # (murmura run's in-process clients would print one line each)
+            print(f"client {runtime.client_id}: {stats.pushed} updates pushed, "
+                  f"{stats.refused} refused, {stats.retries} retries", flush=True)
         return stats
     finally:
         transport.close()
@@ -749,11 +750,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         validate(args)  # every option and config table, before anything starts
         return int(args.fn(args))
-    except ValueError as exc:  # UsageError, and configuration errors found later
+    except ValueError as exc:  # UsageError; configuration errors found later say the command
         text = " ".join(str(exc).split())
-        if not isinstance(exc, UsageError):
-            text = f"{args.command}: {text}"
-        print(f"murmura: error: {text}", file=sys.stderr)
+        where = "murmura: error:" if isinstance(exc, UsageError) else f"murmura {args.command}:"
+        print(f"{where} {text}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

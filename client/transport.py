@@ -7,7 +7,6 @@ runtime runs unchanged over the network and inside a simulated federation.
 from __future__ import annotations
 
 import logging
-import time
 from abc import ABC, abstractmethod
 
 import grpc
@@ -33,8 +32,8 @@ from murmura.protocols.tls import ClientTls, channel_credentials, is_loopback
 
 log = logging.getLogger(__name__)
 
-#: How long a first contact (Join, Challenge) waits for a connection before it fails with
-#: UNAVAILABLE; the retry policy then tries again or gives up.
+#: How long a first contact waits for an answer before it fails with UNAVAILABLE, naming the
+#: address; the retry policy then tries again or gives up.
 CONNECT_TIMEOUT_S = 3.0
 
 #: Statuses worth retrying after a pause: the server is away, overloaded or restarting.
@@ -126,7 +125,8 @@ class GrpcTransport(Transport):
         self.address = address
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self._unreachable_since: float | None = None
+        self._connected = False  # the aggregator has answered once
+        self._warned = False
         self.chunk_bytes = chunk_bytes
         options = [
             ("grpc.max_receive_message_length", 4 * chunk_bytes + (1 << 16)),
@@ -168,40 +168,48 @@ class GrpcTransport(Transport):
                            retry_after_s=retry_after)
 
     def connect(self) -> None:
-        """Wait up to ``connect_timeout_s`` for a connection to the aggregator.
+        """Make sure the aggregator answers: a no-op once it has, else one Challenge call.
 
-        Join and Challenge wait for the channel to be ready; without this bound a client
-        pointed at a port with nothing listening would sit silent until the call deadline.
-        Raises a retryable :class:`RemoteError` (``UNAVAILABLE``) naming the address, and logs
-        a warning with a hint the first time, so the runtime's retry policy decides when to
-        give up.
+        A first contact waits at most ``connect_timeout_s`` for an answer (later calls wait
+        up to the call deadline, ``timeout_s``, for a restarted server); with nothing
+        listening it fails with a retryable :class:`RemoteError` (``UNAVAILABLE``) that names
+        the address, logs a warning with a hint the first time, and the runtime's retry
+        policy decides when to give up.
         """
-        ready = grpc.channel_ready_future(self._channel)
-        try:
-            ready.result(timeout=self.connect_timeout_s)
-        except grpc.FutureTimeoutError:
-            ready.cancel()  # stops watching the channel (which may be closed next)
-            first = self._unreachable_since is None
-            if first:
-                self._unreachable_since = time.monotonic()
-            waited = time.monotonic() - (self._unreachable_since or 0.0)
-            message = (f"cannot reach the aggregator at {self.address[:80]} (nothing answered "
-                       f"for {waited + self.connect_timeout_s:.0f} s): is `murmura server` "
-                       f"running there? check the address, the port and TLS settings")
-            if first:
-                log.warning(message)
-            raise RemoteError("UNAVAILABLE", message) from None
-        if self._unreachable_since is not None:
-            log.info("connected to the aggregator at %s", self.address[:80])
-            self._unreachable_since = None
+        if not self._connected:
+            self.challenge()
+
+    def _unreachable(self, exc: grpc.RpcError) -> RemoteError:
+        """A first contact that failed: UNAVAILABLE naming the address, or what it said."""
+        error = self._wrap(exc)
+        if error.status not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            return error  # something answered: its refusal says what is wrong
+        details = error.message.lower()
+        reason = ("connection refused" if "refused" in details
+                  else f"no answer within {self.connect_timeout_s:g} s"
+                  if error.status == "DEADLINE_EXCEEDED" else error.message[:80])
+        message = (f"cannot reach the aggregator at {self.address[:80]} ({reason}): is "
+                   f"`murmura server` running there? check the address, the port and TLS "
+                   f"settings")
+        if not self._warned:
+            self._warned = True
+            log.warning(message)
+        return RemoteError("UNAVAILABLE", message)
 
     def challenge(self) -> bytes:
-        self.connect()
         try:
-            reply = self._stub.Challenge(pb.ChallengeRequest(), timeout=self.timeout_s,
-                                         wait_for_ready=True)
+            if self._connected:
+                reply = self._stub.Challenge(pb.ChallengeRequest(), timeout=self.timeout_s,
+                                             wait_for_ready=True)
+            else:  # a first contact waits connect_timeout_s at most (see connect)
+                reply = self._stub.Challenge(pb.ChallengeRequest(),
+                                             timeout=self.connect_timeout_s,
+                                             wait_for_ready=True)
         except grpc.RpcError as exc:
-            raise self._wrap(exc) from None
+            raise (self._wrap(exc) if self._connected else self._unreachable(exc)) from None
+        if not self._connected and self._warned:
+            log.info("connected to the aggregator at %s", self.address[:80])
+        self._connected = True
         return bytes(reply.nonce)
 
     def join(self, client_id: str, profile: DeviceProfile, token: str = "",

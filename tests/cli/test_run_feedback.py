@@ -76,15 +76,6 @@ def test_client_with_nothing_listening_says_so_naming_the_address(spawn, tmp_pat
     assert elapsed < 45, elapsed
 
 
-def test_q_is_quiet(tmp_path, capsys) -> None:
-    assert main(["run", "--in-process", "--clients", "2", "--max-versions", "2",
-                 "--local-steps", "2", "--out", str(tmp_path / "quiet"), "-q"]) == 0
-    quiet = capsys.readouterr()
-    assert quiet.err.strip() == "", quiet.err  # no banner, no start-up or progress lines
-    assert "final test accuracy" in quiet.out  # the result is still printed
-    assert len(quiet.out.splitlines()) == 2  # the result and where the files are
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("command", ["run", "simulate"])
 def test_ctrl_c_writes_the_summary_and_plot_of_what_ran(command: str, spawn, tmp_path) -> None:
