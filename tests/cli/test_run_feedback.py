@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from murmura.cli import main
-
 
 @pytest.fixture
 def spawn() -> Iterator:
