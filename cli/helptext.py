@@ -50,8 +50,8 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "out": "directory for metrics.jsonl, summary.json, accuracy.png and client logs",
         "client_threads": "torch intra-op threads per client",
         "timeout_s": "stop the run after this many seconds of wall time",
-        "in_process": "run the clients as threads of this process: starts in about a second "
-                      "instead of forking N processes (one GIL: slower training)",
+        "in_process": "run the clients as threads of this process instead of N forked "
+                      "processes (one GIL: slower training)",
         "gossip": "run N gossip peers and no server (the [gossip] table; docs/gossip.md)",
     },
     "TaskConfig": {
