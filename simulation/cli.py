@@ -131,7 +131,7 @@ def _simulate_gossip(task: TaskConfig, sim: SimulationConfig, toml: dict[str, An
     print(f"murmura simulate --gossip: {sim.clients} virtual peers, topology "
           f"{gossip.topology}, {gossip.rounds} rounds, task={task.task}, out={sim.out}",
           file=sys.stderr)
-    progress = Progress(gossip.rounds)
+    progress = Progress(gossip.rounds, quiet=args.quiet > 0)
     try:
         result = GossipSimulation(task, gossip, sim, failures=failures,
                                   progress=progress.update).run()
