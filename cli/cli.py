@@ -588,6 +588,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
                 or action.default is False or action.default is argparse.SUPPRESS \
                 or not action.option_strings:
             return text
+        if action.default == "":
+            return f"{text} (default: none)"
         return super()._get_help_string(action) or text
 
 

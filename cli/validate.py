@@ -106,7 +106,7 @@ def check_tables(toml: dict[str, Any], path: str = "") -> None:
     where = f"config file {path}: " if path else ""
     for table, value in toml.items():
         if table not in TABLES:
-            raise UsageError(f"{where}unknown table [{table}]; valid tables: "
+            raise UsageError(f"{where}unknown table [{table[:40]}]; valid tables: "
                              f"{', '.join(f'[{t}]' for t in sorted(TABLES))}")
         if not isinstance(value, dict):
             raise UsageError(f"{where}{table} must be a table ([{table}]), got a "
@@ -120,7 +120,7 @@ def _check_keys(cls: type, table: dict[str, Any], name: str, where: str) -> None
         if key in nested and isinstance(value, dict):
             _check_keys(nested[key], value, f"{name}.{key}", where)
         elif key not in top:
-            raise UsageError(f"{where}unknown key {key!r} in [{name}]; valid keys: "
+            raise UsageError(f"{where}unknown key {key[:40]!r} in [{name}]; valid keys: "
                              f"{', '.join(sorted(top))}")
 
 
