@@ -15,7 +15,9 @@ A new option hooks in with a new check::
         if args.app and not Path(args.app).is_file():
             raise UsageError(f"--app {args.app[:60]}: no such file")
 
-and a new TOML table with :func:`register_table`.
+and a new TOML table with :func:`register_table`. A check that loads something the other
+checks look up (an app file registering aggregation rules or codecs) registers with
+``@check(..., first=True)``.
 """
 
 from __future__ import annotations
@@ -64,11 +66,17 @@ def register_table(name: str, cls_path: str) -> None:
     TABLES[name] = cls_path
 
 
-def check(*commands: str) -> Callable[[Check], Check]:
-    """Decorator: run ``fn(args, toml)`` before ``murmura COMMAND`` starts, for each command."""
+def check(*commands: str, first: bool = False) -> Callable[[Check], Check]:
+    """Decorator: run ``fn(args, toml)`` before ``murmura COMMAND`` starts, for each command.
+
+    Checks run in registration order; ``first`` puts ``fn`` before those already registered,
+    for an option whose loading registers names the others check (an app file's rules or
+    codecs).
+    """
     def register(fn: Check) -> Check:
         for command in commands:
-            _CHECKS.setdefault(command, []).append(fn)
+            checks = _CHECKS.setdefault(command, [])
+            checks.insert(0 if first else len(checks), fn)
         return fn
     return register
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from murmura.aggregation import available_aggregators
-from murmura.cli import build_parser
+from murmura.cli import build_parser, main
 from murmura.protocols.codecs import available_codecs
 from murmura.server.config import MODES
 from murmura.tasks.partition import PARTITIONERS
@@ -73,3 +73,20 @@ def test_help_renders(command: str, capsys) -> None:
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "--config" in out and "(default:" in out
+
+
+def test_a_new_option_hooks_into_validation_before_the_command_starts(capsys,
+                                                                      monkeypatch) -> None:
+    from murmura import validate as v
+
+    seen: list[str] = []
+
+    def app_file(args, toml) -> None:  # what a helper's --app check would look like
+        seen.append(args.command)
+        raise v.UsageError("--app my_app.py: no such file")
+
+    monkeypatch.setitem(v._CHECKS, "run", list(v._CHECKS["run"]))
+    v.check("run", first=True)(app_file)
+    assert main(["run", "--codec", "foo"]) == 2  # the first check answers first
+    assert seen == ["run"]
+    assert capsys.readouterr().err.strip() == "murmura: error: --app my_app.py: no such file"
