@@ -149,5 +149,15 @@ def create_aggregator(name: str, size: int, **options: Any) -> Aggregator:
     return factory(size, **options)
 
 
+def aggregator_factory(name: str) -> AggregatorFactory:
+    """The factory registered as ``name``; its keyword parameters are the rule's options."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise AggregationError(
+            f"unknown aggregator {name!r}; available: {', '.join(available_aggregators())}"
+        ) from None
+
+
 def available_aggregators() -> list[str]:
     return sorted(_REGISTRY)
