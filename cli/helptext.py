@@ -9,8 +9,6 @@ on a flag without help, so a new field needs a line here (or its own metadata).
 
 from __future__ import annotations
 
-from functools import cache
-
 __all__ = ["FIELD_HELP", "choices", "field_help"]
 
 
@@ -18,9 +16,9 @@ def _join(values: object) -> str:
     return ", ".join(str(v) for v in values if v != "")  # type: ignore[attr-defined]
 
 
-@cache
 def choices() -> dict[str, str]:
-    """Valid values of the registry-backed options, as comma-separated lists."""
+    """Valid values of the registry-backed options, as comma-separated lists (read at each
+    parser build: an app file may have registered more rules since the last one)."""
     from murmura.aggregation import available_aggregators, available_optimizers
     from murmura.client.malicious import ATTACKS
     from murmura.edge import AMP_MODES, DEVICES

@@ -424,3 +424,14 @@ def _device(device: str | None) -> None:
     if device and device not in DEVICES and not device.startswith("cuda:"):
         raise UsageError(f"--device must be one of {', '.join(DEVICES)} or cuda:N, got "
                          f"{device[:20]!r}")
+
+
+@check("run", "server", "client", "simulate", "peer", first=True)
+def _app(args: argparse.Namespace, toml: dict[str, Any]) -> None:
+    """An app file first: importing it registers its aggregation rules, which the rule
+    checks below then find (``--defense my-rule``)."""
+    app = getattr(args, "app", None) or (toml.get("task") or {}).get("app")
+    if app:
+        from murmura.tasks.app import load_app
+
+        load_app(app)

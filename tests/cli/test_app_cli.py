@@ -147,4 +147,8 @@ def test_a_bad_app_file_gives_a_one_line_error_and_exit_2(tmp_path, capsys, comm
         path.write_text(body)
     assert main([command, "--app", str(path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"murmura {command}: app ") and message in err[-1], err
+    if command == "simulate":  # a wrong return type shows when client_data() is first called
+        assert err[-1].startswith(f"murmura {command}: app ") and message in err[-1], err
+    else:  # caught by the one validation step, before anything starts (cli/validate.py)
+        assert err[-1].startswith("murmura: error: app ") and message in err[-1], err
+        assert not (tmp_path / "out").exists()
