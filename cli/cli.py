@@ -99,6 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             progress.close()
             failed = _stop_clients(clients)
         metrics = srv.call(lambda: dict(core.last_metrics))
+    assert core.recorder is not None  # build_core with an out_dir records the run
     summary = core.recorder.finish({"wall_s": time.monotonic() - t0, "clients_failed": failed})
     if not finished:
         why = "timeout" if time.monotonic() - t0 >= run.timeout_s else "clients exited"
@@ -317,6 +318,7 @@ async def _serve(server_cfg: Any, task: Any, args: argparse.Namespace) -> int:
     done.cancel()
     stopped.cancel()
     await srv.stop(grace=1.0)
+    assert core.recorder is not None  # build_core with an out_dir records the run
     summary = core.recorder.finish()
     print(f"stopped at version {summary['versions']}; results in {out}", flush=True)
     return 0
