@@ -389,8 +389,17 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
     trainer = make_trainer(task.build_model(), data, device=str(device), amp=cfg.amp)
     micro = cfg.micro_batch
     if not micro and device.type == "cuda" and len(data):  # the most rows that fit the cap
-        micro = probe_micro_batch(trainer.model, torch.from_numpy(data.x[:16]),
-                                  torch.from_numpy(data.y[:16]), device=device)
+        try:
+            micro = probe_micro_batch(trainer.model, torch.from_numpy(data.x[:16]),
+                                      torch.from_numpy(data.y[:16]), device=device)
+        except ValueError as exc:  # not one example's backward pass fits
+            if cfg.trainer != "auto":
+                raise
+            log.warning("%s: training zeroth-order (lr %g) whatever the server asks", exc,
+                        cfg.zo_lr)
+            trainer.train_zeroth_order_only(cfg.zo_lr)
+    if cfg.trainer == "zo":
+        trainer.train_zeroth_order_only(cfg.zo_lr)
     trainer.first_order.micro_batch = micro
     profile = device_profile(trainer.device)
     if cfg.profile and len(data):  # a short timed warm-up: the server plans work from it

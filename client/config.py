@@ -8,6 +8,9 @@ from murmura.edge import DEVICES
 from murmura.protocols.identity import NodeKey
 from murmura.protocols.tls import ClientTls
 
+#: ``murmura client --trainer``: how the client picks first- or zeroth-order training.
+CLIENT_TRAINERS = ("auto", "server", "zo")
+
 
 @dataclass(frozen=True)
 class ClientConfig:
@@ -43,6 +46,13 @@ class ClientConfig:
     attack: str = ""               # opt-in malicious mode (tests, red-team runs)
     attack_options: dict[str, str] = field(default_factory=dict)
     ack_log: str = ""              # append one JSON line per acknowledged update to this file
+    trainer: str = field(default="auto", metadata={"help": (
+        "auto: the server's choice, but zeroth-order where one example's backward pass does "
+        "not fit the device's memory (probed on CUDA); server: the server's choice always; "
+        "zo: zeroth-order always (forward passes only)")})
+    zo_lr: float = field(default=0.005, metadata={"help": (
+        "step size of this client's zeroth-order steps when it trains zeroth-order under a "
+        "first-order server (--trainer auto or zo)")})
 
     def __post_init__(self) -> None:
         if ":" not in self.server:
@@ -59,6 +69,11 @@ class ClientConfig:
 
         if self.amp not in AMP_MODES:
             raise ValueError(f"amp must be one of {AMP_MODES}, got {self.amp!r}")
+        if self.trainer not in CLIENT_TRAINERS:
+            raise ValueError(f"trainer must be one of {CLIENT_TRAINERS}, got "
+                             f"{self.trainer[:20]!r}")
+        if not 0 < self.zo_lr < float("inf"):
+            raise ValueError(f"zo_lr must be a positive number, got {self.zo_lr}")
         if self.micro_batch < 0:
             raise ValueError(f"micro_batch must be >= 0, got {self.micro_batch}")
         if not 0 <= self.memory_fraction <= 1:

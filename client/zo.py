@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -260,10 +261,38 @@ class SettingsTrainer(Trainer):
         self.model = self.zeroth_order.model
         self.device = self.zeroth_order.device
         self.spec = self.zeroth_order.spec
+        #: set by :meth:`train_zeroth_order_only`: the step size of this client's
+        #: zeroth-order steps when the server asks for first-order training
+        self.zo_lr: float | None = None
+
+    def train_zeroth_order_only(self, lr: float) -> None:
+        """Train zeroth-order even when the server asks for SGD: for a device whose memory
+        holds the model's forward pass but not one example's backward pass (``murmura client
+        --trainer auto`` decides so from :func:`murmura.edge.probe_micro_batch`).
+
+        Such a task runs the server's step budget (``local_steps``, or ``local_epochs`` over
+        the data) of zeroth-order steps of size ``lr`` (SGD's ``lr`` would be far too large
+        for two-point estimates) and returns the new model: the runtime encodes the update
+        with the server's codec, so the server sees an ordinary update.
+        """
+        if not (lr > 0 and math.isfinite(lr)):
+            raise ValueError(f"the zeroth-order lr must be a positive number, got {lr}")
+        self.zo_lr = lr
 
     def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
-        chosen: Trainer = self.zeroth_order if settings.trainer == "zo" else self.first_order
-        return chosen.train(params, settings, seed=seed)
+        if settings.trainer == "zo":
+            return self.zeroth_order.train(params, settings, seed=seed)
+        if self.zo_lr is None:
+            return self.first_order.train(params, settings, seed=seed)
+        zo = replace(settings, trainer="zo", codec=SEED_CODEC, codec_options={},
+                     lr=self.zo_lr, momentum=0.0)
+        self.zeroth_order.return_params = True
+        try:
+            result = self.zeroth_order.train(params, zo, seed=seed)
+        finally:
+            self.zeroth_order.return_params = False
+        return TrainResult(result.params, result.num_examples,
+                           {**result.metrics, "zo_fallback": 1.0})
 
 
 def make_trainer(model: nn.Module, data: ArrayDataset | Iterable[Any] | Callable[[], Any], *,

@@ -33,6 +33,8 @@ class GossipConfig:
       bit-exactly on the round's base model and average the updates in peer-id order, so
       peers that start a round from the same model and hear from the same peers end it with
       bit-identical models (k-regular with ``degree`` = n - 1 keeps every peer identical).
+      Each peer keeps the step logs of its last ``journal_rounds`` rounds, so a joining peer
+      catches up by replaying them on a snapshot (:mod:`murmura.gossip.journal`).
     * ``round_timeout_s``: how long a peer waits for its neighbours' models before mixing what
       it has; ``min_messages`` 0 waits for the expected in-degree (ring, k-regular) or one
       message (epidemic).
@@ -64,6 +66,7 @@ class GossipConfig:
     # seed mode: zeroth-order training; peers send (seed, scalar) step logs, not models
     seed_mode: bool = False
     zo_eps: float = 1e-3
+    journal_rounds: int = 50       # seed mode: rounds of step logs kept for catch-up
     # MoDeST-style sampling (topology 'modest')
     sample_size: int = 10
     aggregators: int = 3
@@ -85,6 +88,8 @@ class GossipConfig:
             raise ValueError("min_messages must be >= 0 and max_round_lag >= 1")
         if self.history_share < 0 or self.history_records < 1:
             raise ValueError("history_share must be >= 0 and history_records >= 1")
+        if self.journal_rounds < 1:
+            raise ValueError(f"journal_rounds must be >= 1, got {self.journal_rounds}")
         if self.sample_size < 1 or self.aggregators < 1:
             raise ValueError("sample_size and aggregators must be >= 1")
         self.settings()  # validates lr, epochs, batch size, momentum

@@ -19,10 +19,12 @@ import numpy as np
 from murmura.aggregation import SybilWeighting
 from murmura.gossip.config import GossipConfig
 from murmura.gossip.errors import Aborted, FailedPrecondition, InvalidArgument, quote
+from murmura.gossip.journal import StepJournal, mean_step
 from murmura.gossip.mixing import mix, parse_options
 from murmura.gossip.topology import expected_senders, stable_hash, targets
 from murmura.gossip.view import PeerView
 from murmura.protocols import FlatVector, ModelSpec, PeerInfo
+from murmura.protocols.codecs import create_codec
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class Received:
     round: int
     model: FlatVector
     num_examples: int
+    payload: bytes = b""  # seed mode: the step log the update was replayed from
 
 
 class PeerNode:
@@ -60,6 +63,14 @@ class PeerNode:
         # peer's own update of the current round
         self.bases: OrderedDict[int, FlatVector] = OrderedDict()
         self.own_update: FlatVector | None = None
+        self.own_payload = b""
+        # seed mode: a snapshot and the step logs mixed since (catch-up by replay); the run's
+        # starting model is the first snapshot, one every peer of the run holds
+        self.journal: StepJournal | None = None
+        if config.seed_mode:
+            seed_codec = create_codec("seed")
+            self.journal = StepJournal(0, self.model, lambda payload, base: seed_codec.decode(
+                payload, spec.size, reference=base), max_rounds=config.journal_rounds)
         self._seen: OrderedDict[str, None] = OrderedDict()
         self.fingerprint = spec.fingerprint()
         self.options = parse_options(config.rule_options)
@@ -152,7 +163,8 @@ class PeerNode:
                                      f"{self.config.max_round_lag} rounds old")
 
     def receive(self, sender: str, round_: int, message_id: str, model: FlatVector,
-                num_examples: int = 1, fingerprint: str | None = None) -> bool:
+                num_examples: int = 1, fingerprint: str | None = None, *,
+                payload: bytes = b"") -> bool:
         """Take a neighbour's model into the inbox; False for a duplicate message id.
 
         Raises a :class:`~murmura.gossip.errors.GossipError` (and changes nothing) for a bad
@@ -169,7 +181,7 @@ class PeerNode:
         if self.sybil is not None:
             self._record(sender, round_, self.sybil.sketch(model))
         rounds = self.inbox.setdefault(sender, {})
-        rounds[round_] = Received(sender, round_, model, num_examples)
+        rounds[round_] = Received(sender, round_, model, num_examples, bytes(payload))
         while len(rounds) > self.config.max_round_lag + 1:
             del rounds[min(rounds)]
         if message_id:
@@ -235,12 +247,14 @@ class PeerNode:
         updates = sorted([(self.peer_id, self.own_update), *((r.sender, r.model)
                                                               for r in chosen)],
                          key=lambda pair: pair[0])
-        total = np.zeros_like(self.own_update)
-        for _, u in updates:
-            total += u
-        self.model = (self.base(self.round) + total / np.float32(len(updates))
-                      ).astype(np.float32)
-        self.own_update = None
+        self.model = mean_step(self.base(self.round), [u for _, u in updates])
+        if self.journal is not None:
+            logs = [(self.peer_id, self.own_payload), *((r.sender, r.payload) for r in chosen)]
+            if all(p for _, p in logs) and all(r.round == self.round for r in chosen):
+                self.journal.record(self.round, logs)
+            else:  # an update replayed on another round's base: the logs cannot explain it
+                self.journal.rebase(self.round + 1, self.model)
+        self.own_update, self.own_payload = None, b""
 
     # -- Sybil histories spread by gossip (SybilWall-style)
 

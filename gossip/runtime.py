@@ -32,6 +32,7 @@ from murmura.gossip.errors import (
     quote,
 )
 from murmura.gossip.identity import AddressBinding, Verifier
+from murmura.gossip.journal import RoundLogs, StepJournal, digest, replay
 from murmura.gossip.node import PeerNode, training_seed
 from murmura.gossip.transport import Health, HistoryRecord, PeerHandler, PeerTransport
 from murmura.protocols import (
@@ -60,6 +61,7 @@ class PeerStats:
     refused: int = 0
     mixed: int = 0
     retries: int = 0
+    catch_up_bytes: int = 0  # seed mode: step logs (and a snapshot, if pulled) replayed
     refusals: list[str] = field(default_factory=list)
 
 
@@ -212,10 +214,15 @@ class PeerRuntime(PeerHandler):
             self._catch_up()
 
     def _catch_up(self) -> None:
-        """Continue from the most advanced known peer's model and round."""
+        """Continue from the most advanced known peer's model and round: in seed mode by
+        replaying its step logs on a snapshot (the run's starting model when the journal
+        still begins there, which this peer holds), else by pulling its model."""
         with self._lock:
             entries = sorted(self.node.view.entries(), key=lambda e: (-e.round, e.peer_id))
         for e in entries:
+            if self.node.journal is not None and self._catch_up_by_replay(e.address,
+                                                                          e.peer_id):
+                return
             try:
                 round_, model = self.transport.pull_model(e.address, self.peer_id)
                 self.spec.check_vector(model)
@@ -227,8 +234,45 @@ class PeerRuntime(PeerHandler):
             with self._lock:
                 self.node.model = model
                 self.node.round = max(self.node.round, int(round_))
+                if self.node.journal is not None:
+                    self.node.journal.rebase(self.node.round, model)
             log.info("%s caught up from %s at round %d", self.peer_id, e.peer_id, round_)
             return
+
+    def _catch_up_by_replay(self, address: str, peer_id: str) -> bool:
+        """Seed mode: the peer's snapshot (pulled only if this peer lacks it) and its step
+        logs since, replayed here. False (and nothing changed) when anything fails."""
+        journal = self.node.journal
+        assert journal is not None
+        try:
+            snapshot_round, sha, rounds = self.transport.pull_step_logs(address, self.peer_id)
+            with self._lock:
+                own = self.node.model.copy()
+            pulled = 0
+            if digest(own) == sha:
+                snapshot = own
+            else:
+                r, snapshot = self.transport.pull_model(address, self.peer_id, snapshot=True)
+                self.spec.check_vector(snapshot)
+                if r != snapshot_round or digest(snapshot) != sha:
+                    raise ValueError("the snapshot changed between the two pulls")
+                pulled = snapshot.nbytes
+            model = replay(snapshot, rounds, journal.decode)
+            if not np.isfinite(model).all():
+                raise ValueError("the replayed model is not finite")
+        except (RemoteError, ValueError, CodecError) as exc:
+            log.info("catch-up by replay from %s failed: %s", peer_id, str(exc)[:120])
+            return False
+        next_round = rounds[-1][0] + 1 if rounds else snapshot_round
+        with self._lock:
+            self.node.model = model
+            self.node.round = max(self.node.round, next_round)
+            journal.adopt(snapshot_round, snapshot, rounds)
+        self.stats.catch_up_bytes = pulled + sum(len(p) for _, logs in rounds for _, p in logs)
+        log.info("%s caught up from %s at round %d by replaying %d rounds of step logs "
+                 "(%d bytes%s)", self.peer_id, peer_id, next_round, len(rounds),
+                 self.stats.catch_up_bytes, ", snapshot included" if pulled else "")
+        return True
 
     # -- one round
 
@@ -260,6 +304,7 @@ class PeerRuntime(PeerHandler):
             self.node.model = new
             if seed_mode:  # the same arithmetic as a receiver's replay: bit-identical
                 self.node.own_update = np.subtract(new, base, dtype=np.float32)
+                self.node.own_payload = bytes(payload)
             targets = [(t, self.node.view.get(t)) for t in self.node.targets(r)]
             me = self.node.me()
         if not seed_mode:
@@ -400,8 +445,8 @@ class PeerRuntime(PeerHandler):
                         return True, self.node.round
                     reference = self.node.base(header.round)
                 model = codec.decode(payload, self.spec.size, reference=reference)
-            else:
-                model = codec.decode(payload, self.spec.size)
+                return self._take(header, model, bytes(payload))
+            model = codec.decode(payload, self.spec.size)
         except CodecError as exc:
             raise InvalidArgument(f"model payload does not decode: {str(exc)[:80]}") from None
         return self._take(header, model)
@@ -416,26 +461,44 @@ class PeerRuntime(PeerHandler):
         for header, payload in due:
             try:
                 model = codec.decode(payload, self.spec.size, reference=reference)
-                self._take(header, model)
+                self._take(header, model, payload)
             except (CodecError, GossipError) as exc:
                 log.warning("%s: an early step log from %s was refused: %s", self.peer_id,
                             header.sender.peer_id, exc)
 
-    def _take(self, header: PeerModelHeader, model: FlatVector) -> tuple[bool, int]:
+    def _take(self, header: PeerModelHeader, model: FlatVector,
+              payload: bytes = b"") -> tuple[bool, int]:
         with self._arrived:
             taken = self.node.receive(header.sender.peer_id, header.round, header.message_id,
-                                      model, header.num_examples, header.spec_fingerprint)
+                                      model, header.num_examples, header.spec_fingerprint,
+                                      payload=payload)
             self.stats.received += int(taken)
             self._arrived.notify_all()
             round_ = self.node.round
             self.node.heard_from(header.sender)
         return taken, round_
 
-    def on_pull(self, peer_id: str) -> tuple[int, ModelSpec, FlatVector]:
+    def on_pull(self, peer_id: str, snapshot: bool = False
+                ) -> tuple[int, ModelSpec, FlatVector]:
         if self._stop.is_set():
             raise Unavailable("this peer is leaving")
         with self._lock:
+            if snapshot:
+                journal = self._journal()
+                return journal.snapshot_round, self.spec, journal.snapshot.copy()
             return self.node.round, self.spec, self.node.model.copy()
+
+    def on_step_logs(self, peer_id: str) -> tuple[int, bytes, list[RoundLogs]]:
+        if self._stop.is_set():
+            raise Unavailable("this peer is leaving")
+        with self._lock:
+            journal = self._journal()
+            return journal.snapshot_round, digest(journal.snapshot), journal.entries()
+
+    def _journal(self) -> StepJournal:
+        if self.node.journal is None:
+            raise FailedPrecondition("this peer does not run seed mode: it keeps no step logs")
+        return self.node.journal
 
     def on_health(self) -> Health:
         with self._lock:

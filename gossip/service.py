@@ -59,6 +59,10 @@ class PeerServicer:
                 request_deserializer=tolerant(pb.PeerHealthRequest.FromString,
                                               "PeerHealthRequest"),
                 response_serializer=pb.PeerHealthReply.SerializeToString),
+            "PullStepLogs": grpc.unary_unary_rpc_method_handler(
+                self.PullStepLogs,
+                request_deserializer=tolerant(pb.PeerPullRequest.FromString, "PeerPullRequest"),
+                response_serializer=pb.PeerStepLogs.SerializeToString),
             "Goodbye": grpc.unary_unary_rpc_method_handler(
                 self.Goodbye,
                 request_deserializer=tolerant(pb.PeerExchange.FromString, "PeerExchange"),
@@ -121,11 +125,19 @@ class PeerServicer:
     def PullModel(self, request: pb.PeerPullRequest, context: grpc.ServicerContext) -> Any:
         try:
             _parsed(request)
-            round_, spec, model = self.handler.on_pull(request.peer_id)
+            round_, spec, model = self.handler.on_pull(request.peer_id, request.snapshot)
         except GossipError as exc:
             _abort(context, exc)
         yield from serde.iter_model_items(round_, spec, "dense-f32", model.tobytes(),
                                           self.chunk_bytes)
+
+    def PullStepLogs(self, request: pb.PeerPullRequest, context: grpc.ServicerContext) -> Any:
+        try:
+            _parsed(request)
+            round_, sha, rounds = self.handler.on_step_logs(request.peer_id)
+        except GossipError as exc:
+            _abort(context, exc)
+        return serde.step_logs_to_proto(round_, sha, rounds)
 
     def Health(self, request: pb.PeerHealthRequest, context: grpc.ServicerContext) -> Any:
         try:

@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 
 from murmura.client.transport import RemoteError
+from murmura.gossip.journal import RoundLogs
 from murmura.protocols import FlatVector, ModelSpec, PeerInfo, PeerModelHeader, serde
 from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols import murmura_pb2_grpc as pb_grpc
@@ -53,7 +54,13 @@ class PeerHandler(ABC):
         """Refuse a push by its header; return the largest payload accepted."""
 
     @abstractmethod
-    def on_pull(self, peer_id: str) -> tuple[int, ModelSpec, FlatVector]: ...
+    def on_pull(self, peer_id: str, snapshot: bool = False
+                ) -> tuple[int, ModelSpec, FlatVector]:
+        """(round, spec, model): the current model, or the seed-mode snapshot."""
+
+    @abstractmethod
+    def on_step_logs(self, peer_id: str) -> tuple[int, bytes, list[RoundLogs]]:
+        """Seed mode: (snapshot round, snapshot SHA-256, the rounds of step logs since)."""
 
     @abstractmethod
     def on_health(self) -> Health: ...
@@ -81,7 +88,13 @@ class PeerTransport(ABC):
         """Send a model; True when the receiver took it (False: a duplicate)."""
 
     @abstractmethod
-    def pull_model(self, address: str, peer_id: str) -> tuple[int, FlatVector]: ...
+    def pull_model(self, address: str, peer_id: str, *, snapshot: bool = False
+                   ) -> tuple[int, FlatVector]: ...
+
+    @abstractmethod
+    def pull_step_logs(self, address: str, peer_id: str
+                       ) -> tuple[int, bytes, list[RoundLogs]]:
+        """Seed mode: a peer's snapshot round and digest and its step logs since."""
 
     @abstractmethod
     def health(self, address: str) -> Health: ...
@@ -201,12 +214,13 @@ class GrpcPeerTransport(PeerTransport):
             self._bytes_sent += sent
         return not reply.duplicate
 
-    def pull_model(self, address: str, peer_id: str) -> tuple[int, FlatVector]:
+    def pull_model(self, address: str, peer_id: str, *, snapshot: bool = False
+                   ) -> tuple[int, FlatVector]:
         _, _, pull = self._conn(address)
         header, out, received = None, np.empty(0, dtype="<f4"), 0
+        request = pb.PeerPullRequest(peer_id=peer_id, snapshot=snapshot)
         try:
-            for item in pull(pb.PeerPullRequest(peer_id=peer_id),  # type: ignore[operator]
-                             timeout=self.timeout_s):
+            for item in pull(request, timeout=self.timeout_s):  # type: ignore[operator]
                 if not isinstance(item, memoryview) and item.WhichOneof("kind") == "header":
                     header = item.header
                     if header.payload_bytes % 4 or header.codec != "dense-f32":
@@ -226,6 +240,16 @@ class GrpcPeerTransport(PeerTransport):
         if header is None or received != header.payload_bytes:
             raise RemoteError("DATA_LOSS", "model stream ended early")
         return int(header.version), out.astype(np.float32, copy=False)
+
+    def pull_step_logs(self, address: str, peer_id: str
+                       ) -> tuple[int, bytes, list[RoundLogs]]:
+        stub, _, _ = self._conn(address)
+        try:
+            reply = stub.PullStepLogs(pb.PeerPullRequest(peer_id=peer_id),
+                                      timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise self._wrap(exc) from None
+        return serde.step_logs_from_proto(reply)
 
     def health(self, address: str) -> Health:
         stub, _, _ = self._conn(address)

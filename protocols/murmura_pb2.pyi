@@ -325,10 +325,38 @@ class PeerPushReply(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
 
 class PeerPullRequest(_message.Message):
-    __slots__ = ("peer_id",)
+    __slots__ = ("peer_id", "snapshot")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
-    def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
+    snapshot: bool
+    def __init__(self, peer_id: _Optional[str] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+
+class PeerStepLogs(_message.Message):
+    __slots__ = ("snapshot_round", "snapshot_sha256", "rounds")
+    SNAPSHOT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    snapshot_round: int
+    snapshot_sha256: bytes
+    rounds: _containers.RepeatedCompositeFieldContainer[PeerRoundLogs]
+    def __init__(self, snapshot_round: _Optional[int] = ..., snapshot_sha256: _Optional[bytes] = ..., rounds: _Optional[_Iterable[_Union[PeerRoundLogs, _Mapping]]] = ...) -> None: ...
+
+class PeerRoundLogs(_message.Message):
+    __slots__ = ("round", "logs")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    LOGS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    logs: _containers.RepeatedCompositeFieldContainer[PeerStepLog]
+    def __init__(self, round: _Optional[int] = ..., logs: _Optional[_Iterable[_Union[PeerStepLog, _Mapping]]] = ...) -> None: ...
+
+class PeerStepLog(_message.Message):
+    __slots__ = ("peer_id", "payload")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    payload: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class PeerHealthRequest(_message.Message):
     __slots__ = ()

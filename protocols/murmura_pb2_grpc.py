@@ -358,6 +358,11 @@ class PeerStub:
                 request_serializer=murmura_dot_protocols_dot_murmura__pb2.PeerExchange.SerializeToString,
                 response_deserializer=murmura_dot_protocols_dot_murmura__pb2.PeerPushReply.FromString,
                 _registered_method=True)
+        self.PullStepLogs = channel.unary_unary(
+                '/murmura.v1.Peer/PullStepLogs',
+                request_serializer=murmura_dot_protocols_dot_murmura__pb2.PeerPullRequest.SerializeToString,
+                response_deserializer=murmura_dot_protocols_dot_murmura__pb2.PeerStepLogs.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -405,6 +410,15 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullStepLogs(self, request, context):
+        """Seed mode: the peer's snapshot (its round and digest) and the step logs it has mixed
+        since, for a joining or restarted peer to catch up by replaying them. PullModel with
+        snapshot = true returns the snapshot itself, for a peer that does not hold it already.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -432,6 +446,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Goodbye,
                     request_deserializer=murmura_dot_protocols_dot_murmura__pb2.PeerExchange.FromString,
                     response_serializer=murmura_dot_protocols_dot_murmura__pb2.PeerPushReply.SerializeToString,
+            ),
+            'PullStepLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullStepLogs,
+                    request_deserializer=murmura_dot_protocols_dot_murmura__pb2.PeerPullRequest.FromString,
+                    response_serializer=murmura_dot_protocols_dot_murmura__pb2.PeerStepLogs.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -574,6 +593,33 @@ class Peer:
             '/murmura.v1.Peer/Goodbye',
             murmura_dot_protocols_dot_murmura__pb2.PeerExchange.SerializeToString,
             murmura_dot_protocols_dot_murmura__pb2.PeerPushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullStepLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmura.v1.Peer/PullStepLogs',
+            murmura_dot_protocols_dot_murmura__pb2.PeerPullRequest.SerializeToString,
+            murmura_dot_protocols_dot_murmura__pb2.PeerStepLogs.FromString,
             options,
             channel_credentials,
             insecure,

@@ -260,6 +260,37 @@ def history_from_proto(records: Sequence[pb.HistoryRecord]) -> list[tuple[str, i
     return [(m.peer_id, m.round, list(m.sketch)) for m in records]
 
 
+#: Bounds on a PeerStepLogs reply a catching-up peer accepts.
+MAX_LOG_ROUNDS, MAX_LOGS_PER_ROUND = 10_000, 4096
+
+
+def step_logs_to_proto(snapshot_round: int, sha256: bytes,
+                       rounds: Sequence[tuple[int, Sequence[tuple[str, bytes]]]]
+                       ) -> pb.PeerStepLogs:
+    return pb.PeerStepLogs(snapshot_round=snapshot_round, snapshot_sha256=sha256, rounds=[
+        pb.PeerRoundLogs(round=r, logs=[pb.PeerStepLog(peer_id=p, payload=b) for p, b in logs])
+        for r, logs in rounds])
+
+
+def step_logs_from_proto(m: pb.PeerStepLogs
+                         ) -> tuple[int, bytes, list[tuple[int, list[tuple[str, bytes]]]]]:
+    """The reply's (snapshot round, digest, rounds); ValueError when it is implausible
+    (rounds out of order, too many, a round without logs, a digest of the wrong size)."""
+    if len(m.snapshot_sha256) != 32 or m.snapshot_round < 0:
+        raise ValueError("step logs: a snapshot needs a round >= 0 and a 32-byte SHA-256")
+    if len(m.rounds) > MAX_LOG_ROUNDS:
+        raise ValueError(f"step logs: {len(m.rounds)} rounds, at most {MAX_LOG_ROUNDS}")
+    rounds: list[tuple[int, list[tuple[str, bytes]]]] = []
+    last = m.snapshot_round - 1
+    for r in m.rounds:
+        if r.round <= last or not 0 < len(r.logs) <= MAX_LOGS_PER_ROUND:
+            raise ValueError(f"step logs: round {r.round} is out of order or has "
+                             f"{len(r.logs)} logs")
+        last = r.round
+        rounds.append((r.round, [(log.peer_id, bytes(log.payload)) for log in r.logs]))
+    return m.snapshot_round, bytes(m.snapshot_sha256), rounds
+
+
 def peer_model_header_to_proto(h: PeerModelHeader) -> pb.PeerModelHeader:
     return pb.PeerModelHeader(sender=peer_info_to_proto(h.sender), message_id=h.message_id,
                               round=h.round, num_examples=h.num_examples, codec=h.codec,

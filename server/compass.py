@@ -29,11 +29,17 @@ class StepBounds:
     ``latest_factor`` is the paper's lambda: a group created at ``t0`` that is expected at
     ``T`` is aggregated at the latest at ``T + (latest_factor - 1) * (T - t0)`` with whatever
     has arrived; the rest arrive late and enter the next aggregate.
+
+    ``max_group`` (0: no limit) caps a group's members. With many clients of similar speed
+    one group would otherwise take them all and the server would make one large step per
+    group where a buffered server makes several; a full group makes the next client found
+    (or join) another, so versions come at least every ``max_group`` updates.
     """
 
     q_min: int
     q_max: int
     latest_factor: float = 1.5
+    max_group: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.q_min <= self.q_max:
@@ -42,6 +48,12 @@ class StepBounds:
         if not (math.isfinite(self.latest_factor) and self.latest_factor >= 1):
             raise ValueError(f"latest_factor must be a finite number >= 1, got "
                              f"{self.latest_factor}")
+        if self.max_group < 0:
+            raise ValueError(f"max_group must be >= 0 (0: no limit), got {self.max_group}")
+
+    def full(self, members: int) -> bool:
+        """Whether a group of ``members`` takes no one more."""
+        return bool(self.max_group) and members >= self.max_group
 
 
 @dataclass(frozen=True)
@@ -78,11 +90,15 @@ def steps_for(arrival: float, now: float, step_time: float, bounds: StepBounds) 
 
 
 def choose_group(groups: Sequence[GroupPlan], now: float, step_time: float,
-                 bounds: StepBounds) -> Assignment | None:
+                 bounds: StepBounds, sizes: Mapping[int, int] | None = None
+                 ) -> Assignment | None:
     """The existing group that gives the client the most local steps within the bounds (the
-    earliest such group on a tie), or None when no group fits."""
+    earliest such group on a tie), or None when no group fits. ``sizes`` (group id ->
+    members) excludes full groups (see :attr:`StepBounds.max_group`)."""
     best: Assignment | None = None
     for g in groups:
+        if sizes is not None and bounds.full(sizes.get(g.gid, 0)):
+            continue
         q = steps_for(g.arrival, now, step_time, bounds)
         if q is not None and (best is None or q > best.steps):
             best = Assignment(g.gid, q)
@@ -96,7 +112,7 @@ def new_group(gid: int, now: float, step_time: float, bounds: StepBounds) -> Gro
 
 
 def plan_batch(step_times: Mapping[str, float], now: float, groups: Sequence[GroupPlan],
-               bounds: StepBounds, *, next_gid: int
+               bounds: StepBounds, *, next_gid: int, sizes: Mapping[int, int] | None = None
                ) -> tuple[dict[str, Assignment], list[GroupPlan]]:
     """Assign several clients at once (the members of a group that was just aggregated).
 
@@ -105,19 +121,22 @@ def plan_batch(step_times: Mapping[str, float], now: float, groups: Sequence[Gro
     Fastest first means a founder is the fastest member of its group, so slower clients join
     it with fewer steps rather than each founding a group of its own.
 
+    ``sizes`` holds the existing groups' members; a full group takes no one.
     Returns the assignments and the groups created (ids from ``next_gid`` up).
     """
     plans = list(groups)
     created: list[GroupPlan] = []
     out: dict[str, Assignment] = {}
+    counts = dict(sizes or {})
     for cid in sorted(step_times, key=lambda c: (step_times[c], c)):
         t = step_times[cid]
-        a = choose_group(plans, now, t, bounds)
+        a = choose_group(plans, now, t, bounds, counts)
         if a is None:
             g = new_group(next_gid + len(created), now, t, bounds)
             created.append(g)
             plans.append(g)
             a = Assignment(g.gid, bounds.q_max)
+        counts[a.gid] = counts.get(a.gid, 0) + 1
         out[cid] = a
     return out, created
 

@@ -53,6 +53,7 @@ class ServerConfig:
     compass_max_steps: int = 0     # 0: train.local_steps
     compass_min_steps: int = 0     # 0: a fifth of the maximum (at least 1)
     compass_latest_factor: float = 1.5  # a group is aggregated by this x its planned duration
+    compass_max_group: int = 0     # most members per group (0: no limit)
     # aggregation
     defense: str = "fedavg"        # aggregation rule: fedavg (none) or a robust rule
     defense_options: dict[str, str] = field(default_factory=dict)  # e.g. f=2, trim=0.2
@@ -228,7 +229,7 @@ class ServerConfig:
             raise ValueError("mode 'compass' assigns local steps: set compass_max_steps (or "
                              "train.local_steps) to a positive number")
         q_min = self.compass_min_steps or max(1, round(q_max / 5))
-        return StepBounds(q_min, q_max, self.compass_latest_factor)
+        return StepBounds(q_min, q_max, self.compass_latest_factor, self.compass_max_group)
 
     def defense_kwargs(self) -> dict[str, Any]:
         """``defense_options`` with numbers parsed (``none`` means None)."""

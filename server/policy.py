@@ -413,12 +413,16 @@ class CompassPolicy(Policy):
                 self._maybe_close(g)
         if t is None:
             return Assignment(0, self.bounds.q_max)  # unknown speed: no group yet
-        a = choose_group(self._live_plans(now), now, t, self.bounds)
+        a = choose_group(self._live_plans(now), now, t, self.bounds, self._sizes())
         if a is None:
             plan = new_group(self._next_gid, now, t, self.bounds)
             self._add_group(plan)
             a = Assignment(plan.gid, self.bounds.q_max)
         return a
+
+    def _sizes(self) -> dict[int, int]:
+        """Members per group: those training for it and those that have arrived."""
+        return {gid: len(g.members) + len(g.arrived) for gid, g in self.groups.items()}
 
     def _forget(self, cid: str) -> None:
         """The client's unfinished work is abandoned: it no longer counts as a member."""
@@ -511,7 +515,7 @@ class CompassPolicy(Policy):
         times = {cid: t for cid in members
                  if (t := self.observed.get(cid)) is not None}
         planned, created = plan_batch(times, now, self._live_plans(now), self.bounds,
-                                      next_gid=self._next_gid)
+                                      next_gid=self._next_gid, sizes=self._sizes())
         for plan in created:
             self._add_group(plan)
         for cid, a in planned.items():

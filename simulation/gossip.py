@@ -41,10 +41,12 @@ import torch
 
 from murmura.aggregation import create_aggregator
 from murmura.client.malicious import Attack
+from murmura.client.zo import SEED_CODEC, ZOTrainer
 from murmura.gossip import GossipConfig, PeerNode, modest_sample, training_seed
 from murmura.gossip.mixing import parse_options
 from murmura.gossip.topology import stable_hash
 from murmura.protocols import FlatVector, ModelSpec, PeerInfo, PeerModelHeader, serde
+from murmura.protocols.codecs import create_codec
 from murmura.server.outputs import RunRecorder
 from murmura.simulation.attacks import check_attacks, poison_data
 from murmura.simulation.config import SimulationConfig
@@ -148,9 +150,12 @@ class GossipSimulation:
                  progress: Callable[[dict[str, Any]], None] | None = None,
                  attacks: Mapping[int, Attack] | None = None, sybils: SybilFlood | None = None,
                  attack_pair: tuple[int, int] | None = None, eval_every: int = 1) -> None:
-        if gossip.seed_mode:
-            raise ValueError("seed mode runs on real peers only for now (murmura run --gossip "
-                             "--seed-mode); the simulator trains first-order")
+        if gossip.seed_mode and gossip.topology == "modest":
+            raise ValueError("seed mode runs the epidemic, ring and k-regular topologies; "
+                             "'modest' moves whole aggregated models")
+        if gossip.seed_mode and (attacks or sybils):
+            raise ValueError("attacks and Sybil floods are simulated with first-order peers "
+                             "only (seed mode is off for them)")
         self.task_config, self.gossip, self.sim = task, gossip, sim
         self.failures = failures or GossipFailures()
         n = sim.clients
@@ -188,15 +193,20 @@ class GossipSimulation:
         b = self.settings.batch_size
         self.steps = (np.full(n, self.settings.local_steps) if self.settings.local_steps
                       else self.settings.local_epochs * ((sizes + b - 1) // b))
-        self.executor = executor or self._choose_executor()
+        # seed mode trains zeroth-order with the deployed peers' trainer (one module, the data
+        # share swapped per peer); otherwise the simulator's executors train first-order
+        self.zo = (ZOTrainer(factory(), self.data.train, device="cpu")
+                   if gossip.seed_mode else None)
+        self.executor = executor or (
+            LoopExecutor(factory, self.data.train, self.data.shares) if gossip.seed_mode
+            else self._choose_executor())
         header = PeerModelHeader(sender=PeerInfo(self.ids[-1], "127.0.0.1:50000", 99999, 0),
                                  message_id="x" * 12, round=99999, num_examples=int(sizes.max()),
                                  codec="dense-f32", payload_bytes=self.spec.nbytes,
                                  spec_fingerprint=self.spec.fingerprint())
         # the bytes a deployed peer puts on the wire per model push (header + framed chunks)
-        self.push_bytes = serde.peer_model_header_to_proto(header).ByteSize() + 2 + sum(
-            serde.data_chunk_wire_bytes(min(serde.CHUNK_BYTES, self.spec.nbytes - s))
-            for s in range(0, self.spec.nbytes, serde.CHUNK_BYTES))
+        self._header_bytes = serde.peer_model_header_to_proto(header).ByteSize() + 2
+        self.push_bytes = self.wire_bytes(self.spec.nbytes)
         self.time_s = 0.0
         self.bytes_sent = 0
         self.rows: list[dict[str, Any]] = []
@@ -216,6 +226,13 @@ class GossipSimulation:
         self._jitter_rng = np.random.default_rng([gossip.seed, 0x5B1])
         self._rng = random.Random(gossip.seed)
         self._bootstrap()
+
+    def wire_bytes(self, payload_bytes: int) -> int:
+        """Bytes a deployed peer puts on the wire for one push of ``payload_bytes`` (the
+        header chunk and the framed data chunks)."""
+        return self._header_bytes + sum(
+            serde.data_chunk_wire_bytes(min(serde.CHUNK_BYTES, payload_bytes - s))
+            for s in range(0, payload_bytes, serde.CHUNK_BYTES))
 
     # -- set-up
 
@@ -324,23 +341,76 @@ class GossipSimulation:
         on = self.online(round_)
         if self.gossip.topology == "modest":
             sent, train_s = self._modest_round(round_, on)
+            sent_bytes = sent * self.push_bytes
+        elif self.gossip.seed_mode:
+            sent, sent_bytes, train_s = self._seed_round(round_, on)
         else:
             sent, train_s = self._epidemic_round(round_, on)
-        self.bytes_sent += sent * self.push_bytes
+            sent_bytes = sent * self.push_bytes
+        self.bytes_sent += sent_bytes
         self.time_s += train_s
         row: dict[str, Any] = {"version": round_ + 1, "round": round_ + 1,
                                "peers": int(on.sum()), "bytes_up": self.bytes_sent,
                                "updates": sent, "time_s": self.time_s,
-                               "bytes_per_peer": sent * self.push_bytes / max(int(on.sum()), 1)}
+                               "bytes_per_peer": sent_bytes / max(int(on.sum()), 1)}
         if (round_ + 1) % self.eval_every == 0 or round_ + 1 == self.gossip.rounds:
             row.update(self.evaluate(round_, on))
         return row
 
-    def _round_time(self, peers: list[int], sends: dict[int, int]) -> float:
+    def _round_time(self, peers: list[int], sends: dict[int, int],
+                    push_bytes: dict[int, int] | None = None) -> float:
         d = self.devices
-        times = [self.steps[i] * d.step_time_s[i] + sends.get(i, 0) * self.push_bytes
+        times = [self.steps[i] * d.step_time_s[i] + sends.get(i, 0)
+                 * (push_bytes[i] if push_bytes else self.push_bytes)
                  / d.uplink_bytes_per_s[i] + 2 * d.latency_s[i] for i in peers]
         return float(max(times, default=0.0))
+
+    def _seed_round(self, round_: int, on: np.ndarray) -> tuple[int, int, float]:
+        """Seed mode: each online peer trains zeroth-order from its own model and sends its
+        step log; each receiver replays the log on the model it started the round from and
+        mixes the mean of the updates (as :class:`~murmura.gossip.PeerRuntime` does).
+        Returns (messages, bytes, virtual seconds)."""
+        assert self.zo is not None
+        codec = create_codec(SEED_CODEC)
+        live = [i for i in range(len(self.nodes)) if on[i]]
+        logs: dict[int, tuple[bytes, int]] = {}
+        for i in live:
+            node = self.nodes[i]
+            node.round = round_
+            node.start_round(round_)
+            self.zo.data = self.data.train.subset(self.data.shares[i])
+            result = self.zo.train(node.model, self.settings,
+                                   seed=training_seed(self.gossip.seed, self.ids[i], round_))
+            assert result.params is not None and result.encoded is not None
+            node.own_update = np.subtract(result.params, node.base(round_), dtype=np.float32)
+            node.own_payload = result.encoded[1]
+            node.model = result.params
+            logs[i] = (result.encoded[1], result.num_examples)
+        sends: dict[int, int] = {}
+        push = {i: self.wire_bytes(len(logs[i][0])) for i in live}
+        sent_bytes = 0
+        for i in live:
+            node = self.nodes[i]
+            me = node.me()
+            for t in node.targets(round_):
+                j = self.index[t]
+                sends[i] = sends.get(i, 0) + 1
+                sent_bytes += push[i]
+                if not on[j]:
+                    node.mark_dead(t, f"sim:{j}")
+                    continue
+                update = codec.decode(logs[i][0], self.spec.size,
+                                      reference=self.nodes[j].base(round_))
+                self.nodes[j].receive(me.peer_id, round_, "", update, logs[i][1],
+                                      payload=logs[i][0])
+                self.nodes[j].heard_from(me)
+        for i in live:
+            node = self.nodes[i]
+            node.mix()
+            node.advance(round_)
+        for i in live:
+            self._shuffle(self.nodes[i], online=on)
+        return sum(sends.values()), sent_bytes, self._round_time(live, sends, push)
 
     def _epidemic_round(self, round_: int, on: np.ndarray) -> tuple[int, float]:
         live = [i for i in range(len(self.nodes)) if on[i]]

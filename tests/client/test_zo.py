@@ -200,3 +200,54 @@ def test_zo_trainer_refuses_empty_data() -> None:
     start = trainer.spec.flatten(trainer.model)
     with pytest.raises(ValueError, match="no batch"):
         trainer.train(start, zo_settings(local_steps=3), seed=0)
+
+
+def test_a_client_too_small_for_backprop_trains_zeroth_order_under_an_sgd_server(digits) -> None:
+    # Prepare: a first-order server (int8 updates); four clients, two of which (as
+    # `murmura client --trainer auto` does when no backward pass fits) train zeroth-order
+    settings = TaskSettings(local_epochs=0, local_steps=150, batch_size=32, lr=0.1,
+                            momentum=0.5, codec="int8")
+    model = digits.build_model(seed=0)
+    spec = ModelSpec.from_module(model)
+    start = spec.flatten(model)
+    core = AggregatorCore(_cfg(mode="sync", min_clients=4, max_versions=4, train=settings),
+                          spec, start)
+    trainers = [make_trainer(digits.build_model(), digits.client_data(i, 4), device="cpu")
+                for i in range(4)]
+    for t in trainers[2:]:
+        t.train_zeroth_order_only(8e-3)
+    runtimes = [ClientRuntime(RecordingTransport(core), t, client_id=f"client-{i}", wait_s=0)
+                for i, t in enumerate(trainers)]
+
+    # Execute
+    for rt in runtimes:
+        rt._call(rt._join)
+    while not core.done:
+        for rt in runtimes:
+            task = core.task(rt.session)
+            if task.action.name == "TRAIN":
+                rt.step(task.round, task.seed)
+
+    # Assert: every update was taken, in the server's codec; the fallback is deterministic
+    assert core.version == 4
+    for rt in runtimes:
+        pushes = rt.transport.pushes  # type: ignore[attr-defined]
+        assert len(pushes) == 4 and {h.codec for h, _ in pushes} == {"int8"}
+    r1 = trainers[2].train(start, settings, seed=3)
+    r2 = trainers[2].train(start, settings, seed=3)
+    assert r1.encoded is None and r1.metrics["zo_fallback"] == 1.0
+    np.testing.assert_array_equal(r1.params, r2.params)
+    assert not np.array_equal(r1.params, start)
+    assert trainers[2].train(start, zo_settings(local_steps=5), seed=0).encoded is not None
+    with pytest.raises(ValueError, match="positive"):
+        trainers[0].train_zeroth_order_only(0.0)
+
+
+def test_client_config_checks_the_trainer_choice() -> None:
+    from murmura.client.config import ClientConfig
+
+    assert ClientConfig().trainer == "auto"
+    with pytest.raises(ValueError, match="trainer must be one of"):
+        ClientConfig(trainer="adam")
+    with pytest.raises(ValueError, match="zo_lr"):
+        ClientConfig(zo_lr=-1.0)

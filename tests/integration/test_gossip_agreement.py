@@ -80,3 +80,49 @@ def test_seed_mode_peers_send_step_logs_and_hold_bit_identical_models(one_torch_
     assert not np.array_equal(models[0], peers[0].node.bases[0])  # it trained
     per_round = peers[0].transport.bytes_sent / 3  # step logs, two per round, + shuffles
     assert per_round < 4096, per_round  # a model push alone is 19 kB
+    # the simulator's seed mode replays the same logs in the same order: the same models
+    sim = GossipSimulation(TaskConfig(), cfg, SimulationConfig(clients=3), out_dir=None).run()
+    for i, p in enumerate(peers):
+        np.testing.assert_array_equal(sim.models[i], p.node.model)
+
+
+def test_a_late_seed_mode_peer_catches_up_from_step_logs_alone(one_torch_thread) -> None:
+    # three seed-mode peers train three rounds and keep serving; a fourth joins late and
+    # rebuilds their model from the run's starting model (which it holds) plus the step logs
+    cfg = GossipConfig(rounds=10, topology="k-regular", degree=2, min_peers=3, seed_mode=True,
+                       local_steps=20, lr=0.02, round_timeout_s=30.0)
+    task = TaskConfig()
+    peers = [build_peer(PeerConfig(client_index=0, num_clients=3), task, cfg)]
+    late = None
+    try:
+        first = peers[0].start()
+        for i in (1, 2):
+            peers.append(build_peer(PeerConfig(client_index=i, num_clients=3, bootstrap=first),
+                                    task, cfg))
+            peers[-1].start()
+
+        def three_rounds(p) -> None:  # noqa: ANN001
+            p._await_peers()
+            for _ in range(3):
+                p.step()
+
+        threads = [threading.Thread(target=three_rounds, args=(p,)) for p in peers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+
+        late = build_peer(PeerConfig(client_index=0, num_clients=3, peer_id="late",
+                                     bootstrap=first, catch_up=True), task, cfg)
+        late.start()  # joins, then catches up
+
+        assert late.node.round == 3
+        np.testing.assert_array_equal(late.node.model, peers[0].node.model)
+        # 3 rounds x 3 step logs of 20 steps, against 19 kB for one model
+        assert 0 < late.stats.catch_up_bytes < late.spec.nbytes / 4
+        # it can serve the same catch-up to the next peer: it adopted the journal
+        assert late.node.journal is not None and len(late.node.journal.rounds) == 3
+    finally:
+        for p in [*peers, *([late] if late else [])]:
+            p.close()

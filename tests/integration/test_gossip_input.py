@@ -144,7 +144,31 @@ def test_an_exchange_with_another_model_spec_is_refused(peers) -> None:
     assert len(rt.node.view) == 0
 
 
-@pytest.mark.parametrize("method", ["Exchange", "PushModel", "PullModel", "Health", "Goodbye"])
+def test_step_logs_and_snapshots_are_refused_outside_seed_mode(peers) -> None:
+    rt = peers("me")
+    transport = GrpcPeerTransport(timeout_s=5)
+    try:
+        with pytest.raises(Exception, match="FAILED_PRECONDITION.*seed mode"):
+            transport.pull_step_logs(rt.address, "x")
+        with pytest.raises(Exception, match="FAILED_PRECONDITION.*seed mode"):
+            transport.pull_model(rt.address, "x", snapshot=True)
+    finally:
+        transport.stop()
+
+
+def test_implausible_step_logs_are_refused_before_any_replay() -> None:
+    good = serde.step_logs_to_proto(2, b"s" * 32, [(2, [("a", b"x")]), (5, [("a", b"y")])])
+    assert serde.step_logs_from_proto(good)[2][1] == (5, [("a", b"y")])
+    for bad in (serde.step_logs_to_proto(2, b"short", []),
+                serde.step_logs_to_proto(2, b"s" * 32, [(1, [("a", b"x")])]),  # before it
+                serde.step_logs_to_proto(2, b"s" * 32, [(3, [("a", b"x")]), (3, [])]),
+                serde.step_logs_to_proto(2, b"s" * 32, [(3, [])])):
+        with pytest.raises(ValueError, match="step logs"):
+            serde.step_logs_from_proto(bad)
+
+
+@pytest.mark.parametrize("method", ["Exchange", "PushModel", "PullModel", "Health", "Goodbye",
+                                    "PullStepLogs"])
 def test_undecodable_bytes_get_invalid_argument(peers, method: str) -> None:
     rt = peers("receiver")
     before = rt.node.model.copy()

@@ -92,7 +92,28 @@ def test_steps_for_refuses_past_groups_and_out_of_bounds_work() -> None:
     assert steps_for(10.0, 0.0, math.inf, b) is None
 
 
+@settings(max_examples=100, deadline=None)
+@given(step_times_st, bounds_st, groups_st, st.floats(0, 1e4), st.integers(1, 6),
+       st.lists(st.integers(0, 8), max_size=5))
+def test_plan_batch_never_fills_a_group_past_max_group(times, bounds, raw, now, cap, held):
+    capped = StepBounds(bounds.q_min, bounds.q_max, bounds.latest_factor, cap)
+    groups = _existing(raw, now)
+    sizes = {g.gid: n for g, n in zip(groups, held, strict=False)}
+    assignments, created = plan_batch(times, now, groups, capped, next_gid=100, sizes=sizes)
+
+    members = dict(sizes)
+    for a in assignments.values():
+        members[a.gid] = members.get(a.gid, 0) + 1
+    for gid, n in members.items():
+        joined = n - sizes.get(gid, 0)
+        # nobody joins a group already at the cap; the rest fill each group up to it
+        assert joined == 0 or n <= cap, (gid, n, sizes.get(gid, 0))
+    assert set(assignments) == set(times)
+
+
 def test_step_bounds_and_refinement_validate() -> None:
+    with pytest.raises(ValueError, match="max_group"):
+        StepBounds(1, 4, 1.5, -1)
     with pytest.raises(ValueError, match="q_min <= q_max"):
         StepBounds(5, 4)
     with pytest.raises(ValueError, match="latest_factor"):

@@ -48,6 +48,22 @@ def test_modest_recovers_after_most_peers_crash(one_torch_thread) -> None:
     assert abs(crashed.rows[-1]["accuracy"] - clean.rows[-1]["accuracy"]) < 0.1
 
 
+def test_seed_mode_peers_learn_from_step_logs_of_a_few_kib(one_torch_thread) -> None:
+    # logistic regression: zeroth-order steps' variance grows with the parameter count, and
+    # the MLP needs hundreds of steps a round to move (docs/zeroth-order.md)
+    cfg = GossipConfig(rounds=6, seed_mode=True, local_steps=40, lr=0.05, batch_size=32)
+    sim = SimulationConfig(clients=8)
+    a = GossipSimulation(TaskConfig(model="logreg"), cfg, sim, out_dir=None).run()
+
+    accs = [r["accuracy"] for r in a.rows]
+    assert accs[-1] > accs[0] + 0.1, accs  # learning, from step logs alone
+    assert a.bytes_per_peer_round < 2048  # s = 3 step logs of 40 (seed, scalar) steps
+    assert a.bytes_per_peer_round < a.summary["push_bytes"] / 2  # one push of the model
+    # determinism and exact replay: tests/integration/test_gossip_agreement.py
+    with pytest.raises(ValueError, match="seed mode runs the epidemic"):
+        _run(4, GossipConfig(rounds=1, seed_mode=True, topology="modest"))
+
+
 @pytest.mark.slow
 def test_sybil_clones_are_down_weighted(one_torch_thread) -> None:
     honest, clones = 12, 6
