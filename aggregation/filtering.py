@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -80,7 +81,7 @@ class _SeededState:
     """``state_dict`` for rules whose only state is their random generator."""
 
     _rng: np.random.Generator
-    name: str
+    name: ClassVar[str]  # each rule's class attribute, as on Aggregator
 
     def state_dict(self) -> dict[str, np.ndarray]:
         return {"rng": rng_state(self._rng)}

@@ -108,6 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 srv.call(core.stop)
             failed = _stop_clients(clients, 5.0 if interrupted.is_set() else 30.0)
         metrics = srv.call(lambda: dict(core.last_metrics))
+    assert core.recorder is not None  # build_core with an out_dir records the run
     summary = core.recorder.finish({"wall_s": time.monotonic() - t0, "clients_failed": failed,
                                     "interrupted": interrupted.is_set()})
     if interrupted.is_set():
@@ -386,6 +387,7 @@ async def _serve(server_cfg: Any, task: Any, args: argparse.Namespace) -> int:
     done.cancel()
     stopped.cancel()
     await srv.stop(grace=1.0)
+    assert core.recorder is not None  # build_core with an out_dir records the run
     summary = core.recorder.finish()
     print(f"stopped at version {summary['versions']}; results in {out}", flush=True)
     return 0

@@ -13,14 +13,17 @@ import dataclasses
 import sys
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-C = TypeVar("C")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -38,8 +41,8 @@ def _owned_fields(cls: type) -> list[tuple[type, str, Any, dataclasses.Field[Any
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
         t = hints[f.name]
-        if dataclasses.is_dataclass(t):
-            out.extend(_owned_fields(t))  # type: ignore[arg-type]
+        if isinstance(t, type) and dataclasses.is_dataclass(t):
+            out.extend(_owned_fields(t))
         else:
             out.append((cls, f.name, t, f))
     return out

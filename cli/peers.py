@@ -113,7 +113,7 @@ class GossipRun:
         """Rows for every round that each live peer has reported or jumped past (dead peers
         don't hold a round up); the peers' model files of those rounds are deleted once
         read."""
-        out = []
+        out: list[dict[str, Any]] = []
         while True:
             r = self.next_round
             have = {p for p in self.peers if r in self.rows[p]}
@@ -161,7 +161,7 @@ def cmd_run_gossip(args: argparse.Namespace, run: Any, toml: dict[str, Any]) -> 
 
     from murmura.gossip.process import peer_process
 
-    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    ctx = mp.get_context("fork") if sys.platform.startswith("linux") else mp.get_context("spawn")
     ready = ctx.Queue()
     procs = []
     ids = [f"peer-{i:03d}" for i in range(run.clients)]

@@ -61,15 +61,14 @@ def iter_batches(data: ArrayDataset | Iterable[Any] | Callable[[], Any], batch_s
                  gen: torch.Generator) -> Iterator[Any]:
     """``(x, y)`` batches: arrays are shuffled by ``gen``; other data is iterated as given
     (a zero-argument callable is called first to build it)."""
-    if callable(data) and not isinstance(data, ArrayDataset):
-        data = data()
-    if isinstance(data, ArrayDataset):
-        perm = torch.randperm(len(data), generator=gen).numpy()
-        x, y = torch.from_numpy(data.x[perm]), torch.from_numpy(data.y[perm])
-        for s in range(0, len(data), batch_size):
+    source: Any = data() if callable(data) and not isinstance(data, ArrayDataset) else data
+    if isinstance(source, ArrayDataset):
+        perm = torch.randperm(len(source), generator=gen).numpy()
+        x, y = torch.from_numpy(source.x[perm]), torch.from_numpy(source.y[perm])
+        for s in range(0, len(source), batch_size):
             yield x[s : s + batch_size], y[s : s + batch_size]
     else:
-        yield from data
+        yield from source
 
 
 def count_examples(data: Any, override: int | None = None) -> int:

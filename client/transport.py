@@ -252,7 +252,7 @@ class GrpcTransport(Transport):
                                           f"a float32 vector of {header.payload_bytes} bytes")
                     # writable, filled as chunks arrive (one copy, overlapping the transfer)
                     out = np.empty(header.payload_bytes // 4, dtype="<f4")
-                    view = memoryview(out).cast("B")
+                    view = out.data.cast("B")
                     continue
                 if header is None:
                     raise RemoteError("DATA_LOSS", "model stream began without a header")
@@ -294,8 +294,8 @@ class GrpcTransport(Transport):
             reply = self._push(iter(items), timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise self._wrap(exc) from None
-        self._bytes_up += items[0].ByteSize() + sum(
-            serde.data_chunk_wire_bytes(len(c)) for c in items[1:])
+        self._bytes_up += sum(serde.data_chunk_wire_bytes(len(c)) if isinstance(c, memoryview)
+                              else c.ByteSize() for c in items)
         return serde.push_result_from_proto(reply)
 
     def leave(self, session: str) -> None:

@@ -88,7 +88,10 @@ def run_peer(cfg: PeerConfig, task_cfg: TaskConfig, gossip: GossipConfig,
     if started is not None:
         started.set()
     if stop is not None:
-        threading.Thread(target=lambda: (stop.wait(), runtime.stop()), daemon=True).start()
+        def stop_when_set(event: threading.Event) -> None:
+            event.wait()
+            runtime.stop()
+        threading.Thread(target=stop_when_set, args=(stop,), daemon=True).start()
     stats = runtime.run()
     return runtime, stats
 

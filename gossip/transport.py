@@ -233,7 +233,7 @@ class GrpcPeerTransport(PeerTransport):
                 end = received + len(data)
                 if end > header.payload_bytes:
                     raise RemoteError("DATA_LOSS", "model stream is longer than announced")
-                memoryview(out).cast("B")[received:end] = data
+                out.data.cast("B")[received:end] = data
                 received = end
         except grpc.RpcError as exc:
             raise self._wrap(exc) from None

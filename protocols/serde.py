@@ -65,7 +65,7 @@ def settings_from_proto(m: pb.TaskSettings) -> TaskSettings:
 
 
 def task_to_proto(t: Task) -> pb.TaskReply:
-    return pb.TaskReply(action=int(t.action), version=t.version, round=t.round,
+    return pb.TaskReply(action=t.action.name, version=t.version, round=t.round,
                         retry_after_s=t.retry_after_s, seed=t.seed,
                         local_steps=t.local_steps)
 

@@ -52,7 +52,7 @@ class ReceiveBuffer:
         of the pool for as long as it, or anything made from it, is alive)."""
         if self._array is None:
             raise ValueError("the buffer was released")
-        return memoryview(self._array)[: self.nbytes]
+        return self._array.data[: self.nbytes]
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
         """Copy ``data`` in at ``offset`` (numpy copies without holding the GIL)."""

@@ -44,7 +44,9 @@ def save_checkpoint(path: str | Path, ckpt: Checkpoint) -> None:
     arrays.update({f"opt.{k}": v for k, v in ckpt.optimizer_state.items()})
     arrays.update({f"x.{k}": v for k, v in ckpt.extra.items()})
     buf = io.BytesIO()
-    np.savez(buf, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8), **arrays)
+    # numpy's stub lets **kwds reach savez's allow_pickle: bool; our keys never name it.
+    np.savez(buf, header=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8),
+             **arrays)  # type: ignore[arg-type]
     fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -228,7 +228,7 @@ class AggregatorCore:
         self.publisher = Publisher(threaded=False)
         #: Runs a function on the thread that owns the core; the server sets it to its loop's
         #: ``call_soon_threadsafe``.
-        self.post: Callable[[Callable[[], None]], None] = _call_now
+        self.post: Callable[[Callable[[], object]], object] = _call_now
         #: Versions handed to the publisher and not yet installed.
         self.publishing = 0
         #: Publishes started, and the future of the last one (a transport may await it so the
@@ -247,7 +247,8 @@ class AggregatorCore:
         self.fold_limit = FOLD_LIMIT[config.accumulator]
         #: Extra figures for the metrics row (the serverless tier's workers and queue).
         self.row_extras: Callable[[], dict[str, Any]] | None = None
-        policies = {"sync": SyncPolicy, "async": AsyncPolicy, "compass": CompassPolicy}
+        policies: dict[str, Callable[[AggregatorCore], Policy]] = {
+            "sync": SyncPolicy, "async": AsyncPolicy, "compass": CompassPolicy}
         self.policy: Policy = policies[config.mode](self)
         if start is not None:
             agg_state = {k[len(AGG_PREFIX):]: v for k, v in start.extra.items()
@@ -596,7 +597,7 @@ class AggregatorCore:
                                      "'seed' and codec option pool=K); pull the model instead")
         return self.pool
 
-    def push(self, header: UpdateHeader, payload: bytes | bytearray | memoryview, *,
+    def push(self, header: UpdateHeader, payload: bytes | memoryview, *,
              wire_bytes: int = 0) -> PushResult:
         """Validate, decode (inline) and hand one update to the policy; refuse with a
         ServiceError."""
@@ -917,7 +918,8 @@ class AggregatorCore:
         optimizer_state, meta, extra = self.rule.checkpoint_state()
         extra = dict(extra)
         extra.update({AGG_PREFIX + k: v for k, v in aggregator.state_dict().items()})
-        counters = {k: row[k] for k in ("updates", "bytes_up", "bytes_down", "time_s")
+        counters: dict[str, Any] = {k: row[k] for k in ("updates", "bytes_up", "bytes_down",
+                                                    "time_s")
                     if k in row}
         return Checkpoint(version=self._pub_version, params=params,
                           spec_fingerprint=self.fingerprint, optimizer_state=optimizer_state,
@@ -1000,7 +1002,7 @@ def _header_record(header: UpdateHeader) -> dict[str, Any]:
     return record
 
 
-def _call_now(fn: Callable[[], None]) -> None:
+def _call_now(fn: Callable[[], object]) -> None:
     fn()
 
 

@@ -104,7 +104,7 @@ class Decoder:
         """True when decoding ``codec`` needs the model version the update was trained on."""
         return codec != PARTIAL_CODEC and self.pool is None and self.codec(codec).needs_reference
 
-    def decode(self, codec: str, payload: bytes | bytearray | memoryview, *,
+    def decode(self, codec: str, payload: bytes | memoryview, *,
                reference: FlatVector | None = None, out: FlatVector | None = None) -> Decoded:
         """Decode and check one payload; :class:`InvalidArgument` says what is wrong.
 
@@ -116,7 +116,7 @@ class Decoder:
             decoded.payload_sha256 = payload_digest(payload)
         return decoded
 
-    def _decode(self, codec: str, payload: bytes | bytearray | memoryview, *,
+    def _decode(self, codec: str, payload: bytes | memoryview, *,
                 reference: FlatVector | None, out: FlatVector | None) -> Decoded:
         if codec == PARTIAL_CODEC:
             return self._partial(payload)
@@ -139,7 +139,7 @@ class Decoder:
             raise InvalidArgument(f"update has {update.size} values; the model has {self.size}")
         return Decoded(update, max_abs=check_range(update, "update"))
 
-    def _pool_update(self, codec: str, payload: bytes | bytearray | memoryview) -> FlatVector:
+    def _pool_update(self, codec: str, payload: bytes | memoryview) -> FlatVector:
         """A pool run's update: the K coefficients its steps applied along the pool seeds."""
         pool = self.pool
         c = self.codec(codec)
@@ -163,6 +163,7 @@ class Decoder:
         except CodecError as exc:
             raise InvalidArgument(f"partial aggregate does not decode: {exc}") from None
         if p.exact:
+            assert p.limbs is not None  # set exactly when the kind is exact
             hi = p.limbs[0]
             # value = hi 2**-20 + lo 2**-80 with 0 <= lo < 2**60: |value| < (|hi| + 1) 2**-20
             top = float(max(int(hi.max()), -int(hi.min()))) + 1.0 if hi.size else 0.0

@@ -140,11 +140,13 @@ class Leaf:
         log.info("leaf %s serves clients on %s, upstream %s", self.name, self.server.address,
                  self.config.upstream)
 
-    def _upstream(self, **kwargs: float) -> GrpcTransport:
+    def _upstream(self, timeout_s: float | None = None) -> GrpcTransport:
         cfg = self.config
         tls = (ClientTls(cfg.upstream_tls_ca, cfg.upstream_tls_cert, cfg.upstream_tls_key)
                if cfg.upstream_tls_ca else None)
-        return GrpcTransport(cfg.upstream, tls=tls, insecure=cfg.insecure, **kwargs)
+        if timeout_s is None:  # the transport's own default
+            return GrpcTransport(cfg.upstream, tls=tls, insecure=cfg.insecure)
+        return GrpcTransport(cfg.upstream, tls=tls, insecure=cfg.insecure, timeout_s=timeout_s)
 
     def _parent_settings(self) -> TaskSettings:
         # Joined under the leaf's own id and not left: the link's join takes the identity over,

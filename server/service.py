@@ -168,7 +168,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 raise InvalidArgument(f"unknown pull kind {kind}")
         except ServiceError as exc:
             await self._abort(context, exc)
-        payload = memoryview(params).cast("B")  # published vectors are never modified
+        payload = params.data.cast("B")  # published vectors are never modified
         for item in serde.iter_model_items(version, spec, codec, payload, self.chunk_bytes,
                                            base_version=base_version):
             self.core.add_download(serde.data_chunk_wire_bytes(len(item))
@@ -191,7 +191,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 # Payload chunks arrive as zero-copy views (serde.deserialize_update_item).
                 kind = "data" if isinstance(item, memoryview) else item.WhichOneof("kind")
                 if header is None:
-                    if kind != "header":
+                    if kind != "header" or isinstance(item, memoryview):
                         raise InvalidArgument("the first chunk of a push must be its header")
                     wire += item.ByteSize()
                     header = serde.update_header_from_proto(item.header)

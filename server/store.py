@@ -234,7 +234,9 @@ class StateStore:
 
     @staticmethod
     def op_leave(session: str) -> Op:
-        return lambda c: c.execute("DELETE FROM sessions WHERE session = ?", (session,)) and None
+        def run(c: sqlite3.Connection) -> None:
+            c.execute("DELETE FROM sessions WHERE session = ?", (session,))
+        return run
 
     def op_push(self, seq: int, client_id: str, update_id: str, header: dict[str, Any],
                 staleness: int, ref: SpoolRef) -> Op:
@@ -262,7 +264,10 @@ class StateStore:
     def op_consume(seqs: Iterable[int]) -> Op:
         """Forget pending updates whose aggregate was dropped (no version was made)."""
         rows = [(s,) for s in seqs]
-        return lambda c: c.executemany("DELETE FROM pending WHERE seq = ?", rows) and None
+
+        def run(c: sqlite3.Connection) -> None:
+            c.executemany("DELETE FROM pending WHERE seq = ?", rows)
+        return run
 
     @staticmethod
     def op_version(version: int, row: dict[str, Any], checkpoint: str,

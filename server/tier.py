@@ -134,7 +134,7 @@ class Tier:
         self.decode_s = 0.0
         #: Runs a function on the gateway's event loop (set by the server): in-process receive
         #: buffers are released there, after the push handler has dropped its references.
-        self.post: Callable[[Callable[[], None]], None] = lambda fn: fn()
+        self.post: Callable[[Callable[[], object]], object] = lambda fn: fn()
 
     @classmethod
     def for_config(cls, config: ServerConfig, decoder: Decoder) -> Tier:
@@ -215,7 +215,10 @@ class Tier:
                 raise
             self._count(t0)
             post, buffers = self.post, self.buffers
-            return decoded, lambda: post(lambda: buffers.release(lease))
+
+            def release() -> None:
+                post(lambda: buffers.release(lease))
+            return decoded, release
         assert isinstance(lease, Slab) and self.slabs is not None
         slabs = self.slabs
         payload = lease.buf[:header.payload_bytes]

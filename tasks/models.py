@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -32,7 +34,7 @@ def evaluate(model: nn.Module, data: ArrayDataset, *, batch_size: int = 1024) ->
     return {"accuracy": correct / n, "loss": loss_sum / n}
 
 
-def seeded_init(factory: type[nn.Module] | object, seed: int) -> nn.Module:
+def seeded_init(factory: Callable[[], nn.Module], seed: int) -> nn.Module:
     """Build a model with torch's RNG seeded, leaving the global RNG state as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

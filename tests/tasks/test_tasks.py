@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from murmura.tasks import (
     PARTITIONERS,
@@ -82,4 +83,34 @@ def test_task_builds_models_and_client_shares() -> None:
 def test_synthetic_data_is_seeded() -> None:
     a = make_synthetic(num_examples=100, seed=1)
     b = make_synthetic(num_examples=100, seed=1)
+    c = make_synthetic(num_examples=100, seed=2)
     assert np.array_equal(a.x, b.x) and np.array_equal(a.y, b.y)
+    assert not np.array_equal(a.x, c.x)
+    assert a.x.dtype == np.float32 and a.y.dtype == np.int64 and a.x.shape == (100, 64)
+    with pytest.raises(ValueError, match="label_noise"):
+        make_synthetic(num_examples=10, label_noise=1.0)
+
+
+def test_synthetic_task_needs_learning_and_plateaus_below_one(one_torch_thread) -> None:
+    # Separable data reached its final accuracy in one version, so a run's curve was flat:
+    # the task must start near chance, stay low after a few steps, and climb with training
+    # to a plateau that overlap and label noise keep clearly below 1.0.
+    task = load_task(TaskConfig(task="synthetic", model="logreg"))
+    x, y = torch.from_numpy(task.train.x), torch.from_numpy(task.train.y)
+
+    def trained(optimizer: type[torch.optim.Optimizer], lr: float, steps: int) -> float:
+        model = task.build_model(seed=0)
+        opt = optimizer(model.parameters(), lr=lr)
+        for _ in range(steps):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return evaluate(model, task.test)["accuracy"]
+
+    untrained = trained(torch.optim.SGD, 0.1, 0)
+    few_steps = trained(torch.optim.SGD, 0.1, 10)   # full-batch steps at the default lr
+    converged = trained(torch.optim.Adam, 0.03, 100)
+    assert untrained < 0.2
+    assert few_steps < 0.4
+    assert 0.85 < converged < 0.95
+    assert converged - few_steps > 0.45
