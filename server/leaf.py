@@ -141,18 +141,20 @@ class Leaf:
                  self.config.upstream)
 
     def _upstream(self, timeout_s: float | None = None) -> GrpcTransport:
+        """The link to the parent; with ``timeout_s``, calls and the first connection wait
+        that long (a parent that starts after the leaf)."""
         cfg = self.config
         tls = (ClientTls(cfg.upstream_tls_ca, cfg.upstream_tls_cert, cfg.upstream_tls_key)
                if cfg.upstream_tls_ca else None)
-        if timeout_s is None:  # the transport's own default
+        if timeout_s is None:  # the transport's own defaults
             return GrpcTransport(cfg.upstream, tls=tls, insecure=cfg.insecure)
-        return GrpcTransport(cfg.upstream, tls=tls, insecure=cfg.insecure, timeout_s=timeout_s)
+        return GrpcTransport(cfg.upstream, tls=tls, insecure=cfg.insecure, timeout_s=timeout_s,
+                             connect_timeout_s=timeout_s)
 
     def _parent_settings(self) -> TaskSettings:
         # Joined under the leaf's own id and not left: the link's join takes the identity over,
         # so no second identity ever sits in one of the parent's cohorts.
-        transport = self._upstream(timeout_s=self.connect_timeout_s,
-                                   connect_timeout_s=self.connect_timeout_s)
+        transport = self._upstream(timeout_s=self.connect_timeout_s)
         try:
             result, _ = transport.join_as(self.identity, DeviceProfile(device="leaf"),
                                           self.config.join_token)
