@@ -31,7 +31,7 @@ from murmura.gossip.errors import (
     Unavailable,
     quote,
 )
-from murmura.gossip.identity import AddressBinding, Verifier
+from murmura.gossip.identity import AddressBinding, Verifier, check_well_formed
 from murmura.gossip.journal import RoundLogs, StepJournal, digest, replay
 from murmura.gossip.node import PeerNode, training_seed
 from murmura.gossip.transport import Health, HistoryRecord, PeerHandler, PeerTransport
@@ -200,8 +200,8 @@ class PeerRuntime(PeerHandler):
                         raise
                     continue
                 with self._lock:
-                    self.node.view.merge([PeerInfo(sender.peer_id, address, sender.round, 0),
-                                          *peers])
+                    self.node.merge([PeerInfo(sender.peer_id, address, sender.round, 0),
+                                     *peers])
                 joined = True
             if not joined:
                 if self.clock() - started > self.retry.give_up_after_s:
@@ -505,6 +505,7 @@ class PeerRuntime(PeerHandler):
             return Health(self.peer_id, self.node.round, len(self.node.view), self._training)
 
     def on_goodbye(self, sender: PeerInfo) -> None:
+        check_well_formed(sender.peer_id, sender.address)
         if self.identity.address_of(sender.peer_id) not in (None, sender.address):
             return  # only the bound address may say goodbye for an id
         with self._lock:
