@@ -31,9 +31,9 @@ from murmura.client.zo import ZOTrainer
 from murmura.gossip import GossipConfig, GrpcPeerTransport, PeerRuntime
 from murmura.gossip.identity import well_formed
 from murmura.protocols import PeerInfo, PeerModelHeader, create_codec, serde
+from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols.codecs import available_codecs
 from murmura.protocols.codecs._util import HEADER_BYTES
-from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols.codecs.seed import ZOSteps
 from murmura.tasks import ArrayDataset
 
