@@ -247,10 +247,10 @@ def exchanges(t: Target) -> st.SearchStrategy[pb.PeerExchange]:
     many = st.builds(lambda p, n: [p] * n, short, st.sampled_from([1024, 1025]))
     return st.builds(
         pb.PeerExchange, sender=peer_infos,
-        peers=st.one_of(st.lists(peer_infos, max_size=12), many),
+        peers=st.one_of(st.lists(peer_infos, max_size=6), many),
         spec_fingerprint=st.one_of(texts, st.just(t.fingerprint)),
         signature=st.binary(max_size=64),
-        history=st.one_of(st.lists(history, max_size=20),
+        history=st.one_of(st.lists(history, max_size=4),
                           st.builds(lambda h: [h] * 1025, short_history)))
 
 
