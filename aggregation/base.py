@@ -129,6 +129,15 @@ def register_aggregator(name: str, factory: AggregatorFactory) -> None:
     _REGISTRY[name] = factory
 
 
+def aggregation_rule(name: str) -> Callable[[AggregatorFactory], AggregatorFactory]:
+    """Decorator form of :func:`register_aggregator`, so an app file can define a rule and
+    make it selectable by name (``--defense NAME``) in one place."""
+    def register(factory: AggregatorFactory) -> AggregatorFactory:
+        register_aggregator(name, factory)
+        return factory
+    return register
+
+
 def create_aggregator(name: str, size: int, **options: Any) -> Aggregator:
     """Build the aggregator registered as ``name`` for vectors of ``size`` values."""
     try:
@@ -138,6 +147,16 @@ def create_aggregator(name: str, size: int, **options: Any) -> Aggregator:
             f"unknown aggregator {name!r}; available: {', '.join(available_aggregators())}"
         ) from None
     return factory(size, **options)
+
+
+def aggregator_factory(name: str) -> AggregatorFactory:
+    """The factory registered as ``name``; its keyword parameters are the rule's options."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise AggregationError(
+            f"unknown aggregator {name!r}; available: {', '.join(available_aggregators())}"
+        ) from None
 
 
 def available_aggregators() -> list[str]:

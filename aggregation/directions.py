@@ -80,16 +80,18 @@ def dnc_outliers(x: npt.ArrayLike, *, f: int, c: float = 1.0, iterations: int = 
                  subsample: int = 10_000, rng: np.random.Generator) -> Mask:
     """Divide-and-Conquer's kept set: True for rows never among the ``c x f`` largest outlier
     scores (squared projection on the top singular vector of the centred rows, over a random
-    subset of ``subsample`` coordinates), in any of ``iterations`` draws."""
+    subset of ``subsample`` coordinates), in any of ``iterations`` draws. When every row was
+    flagged in some draw (a large ``c x f`` against few rows), the rows flagged least often
+    are kept: the set is never empty."""
     a = np.asarray(x)
     n, p = a.shape
     if f < 0 or c <= 0 or iterations < 1:
         raise AggregationError(f"dnc needs f >= 0, c > 0 and iterations >= 1; got {f}, {c}, "
                                f"{iterations}")
     drop = min(n - 1, int(math.floor(c * f)))
-    keep = np.ones(n, dtype=bool)
+    flagged = np.zeros(n, dtype=np.int64)
     if drop <= 0:
-        return keep
+        return flagged == 0
     for _ in range(iterations):
         cols = rng.choice(p, size=min(subsample, p), replace=False) if subsample < p else None
         sub = (a if cols is None else a[:, np.sort(cols)]).astype(np.float64)
@@ -98,5 +100,5 @@ def dnc_outliers(x: npt.ArrayLike, *, f: int, c: float = 1.0, iterations: int = 
         vals, vecs = np.linalg.eigh(centred @ centred.T)
         top = vecs[:, -1] * math.sqrt(max(vals[-1], 0.0))  # = centred @ v for unit v
         scores = top**2
-        keep[np.argsort(scores, kind="stable")[n - drop:]] = False
-    return keep
+        flagged[np.argsort(scores, kind="stable")[n - drop:]] += 1
+    return flagged == flagged.min()

@@ -51,7 +51,48 @@ Floats = npt.NDArray[np.float64]
 Mask = npt.NDArray[np.bool_]
 
 
-class Flame(RobustAggregator):
+_WORD = (1 << 64) - 1
+
+
+def rng_state(rng: np.random.Generator) -> npt.NDArray[np.uint64]:
+    """A PCG64 generator's whole state as six uint64 words (a rule's ``state_dict`` holds
+    arrays only): a restarted server then draws the numbers the old one would have drawn."""
+    st = rng.bit_generator.state
+    if st.get("bit_generator") != "PCG64":
+        raise AggregationError(f"cannot save a {st.get('bit_generator')} generator")
+    s, inc = int(st["state"]["state"]), int(st["state"]["inc"])
+    return np.array([s >> 64, s & _WORD, inc >> 64, inc & _WORD, int(st["has_uint32"]),
+                     int(st["uinteger"])], dtype=np.uint64)
+
+
+def set_rng_state(rng: np.random.Generator, words: npt.NDArray[np.uint64]) -> None:
+    """Restore what :func:`rng_state` saved (refusing anything else)."""
+    w = np.asarray(words)
+    if w.shape != (6,) or w.dtype != np.uint64 or int(w[4]) not in (0, 1):
+        raise AggregationError("a saved generator state is six uint64 words")
+    rng.bit_generator.state = {
+        "bit_generator": "PCG64",
+        "state": {"state": (int(w[0]) << 64) | int(w[1]), "inc": (int(w[2]) << 64) | int(w[3])},
+        "has_uint32": int(w[4]), "uinteger": int(w[5])}
+
+
+class _SeededState:
+    """``state_dict`` for rules whose only state is their random generator."""
+
+    _rng: np.random.Generator
+    name: str
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"rng": rng_state(self._rng)}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        if set(state) != {"rng"}:
+            raise AggregationError(f"rule {self.name!r} keeps its generator ('rng') only, got "
+                                   f"{sorted(state)}")
+        set_rng_state(self._rng, state["rng"])
+
+
+class Flame(_SeededState, RobustAggregator):
     """FLAME (Nguyen et al., USENIX Security 2022, https://arxiv.org/abs/2101.02281):
     majority cluster on cosine distances, clipping to the median norm, optional noise.
 
@@ -67,7 +108,8 @@ class Flame(RobustAggregator):
     farther from the honest majority than honest clients are from each other. Under strongly
     non-IID data it drops honest minorities too, which costs accuracy. ``dim`` > 0 measures
     cosines on count sketches of that size (one O(nP) pass; error ~ 1/sqrt(dim)); ``dim=0``
-    uses the exact O(n^2 P) Gram matrix. Stateless apart from the noise generator.
+    uses the exact O(n^2 P) Gram matrix. Stateless apart from the noise generator, which
+    ``state_dict`` carries.
     """
 
     name = "flame"
@@ -105,7 +147,7 @@ class Flame(RobustAggregator):
         return out
 
 
-class DivideAndConquer(RobustAggregator):
+class DivideAndConquer(_SeededState, RobustAggregator):
     """Divide-and-Conquer (Shejwalkar and Houmansadr, NDSS 2021,
     https://www.ndss-symposium.org/ndss-paper/manipulating-the-byzantine-optimizing-model-
     poisoning-attacks-and-defenses-for-federated-learning/): drop the ``c x f`` updates that

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,8 +81,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if (out / "metrics.jsonl").exists():
         (out / "metrics.jsonl").unlink()  # a new run starts a new metrics file
-    print(f"murmura run: {run.clients} clients, mode={server.mode}, task={task.task}, "
-          f"codec={server.train.codec}, out={out}", file=sys.stderr)
+    quiet = args.quiet > 0
+    if not quiet:
+        print(f"murmura run: {run.clients} clients, mode={server.mode}, "
+              f"task={task.app or task.task}, codec={server.train.codec}, out={out}",
+              file=sys.stderr)
     t0 = time.monotonic()
     # Fork client processes first, before this process runs any torch op or gRPC call.
     # Clients prove keys derived from the run seed (the same ids, cohorts and seeds on every
@@ -89,18 +94,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     key_seed = server.seed if server.require_identity else None
     launcher = ClientLauncher(run, task, out, args.device, key_seed)
     core = build_core(server, task, out_dir=out, extra_config={"run": dataclasses.asdict(run)})
-    progress = Progress(server.max_versions)
-    with ServerThread(core) as srv:
-        print(f"aggregator listening on {srv.address}", file=sys.stderr)
+    progress = Progress(server.max_versions, quiet=quiet)
+    interrupted = threading.Event()
+    with ServerThread(core) as srv, _on_sigint(interrupted, quiet):
+        if not quiet:
+            print(f"aggregator listening on {srv.address}", file=sys.stderr)
         clients = launcher.start(srv.address)
         try:
-            finished = _watch(srv, core, progress, clients, run.timeout_s)
+            finished = _watch(srv, core, progress, clients, run.timeout_s, interrupted)
         finally:
             progress.close()
-            failed = _stop_clients(clients)
+            if interrupted.is_set():  # tell clients to stop; what ran is summarised below
+                srv.call(core.stop)
+            failed = _stop_clients(clients, 5.0 if interrupted.is_set() else 30.0)
         metrics = srv.call(lambda: dict(core.last_metrics))
-    summary = core.recorder.finish({"wall_s": time.monotonic() - t0, "clients_failed": failed})
-    if not finished:
+    summary = core.recorder.finish({"wall_s": time.monotonic() - t0, "clients_failed": failed,
+                                    "interrupted": interrupted.is_set()})
+    if interrupted.is_set():
+        print(f"interrupted at version {metrics.get('version', 0)}", file=sys.stderr)
+    elif not finished:
         why = "timeout" if time.monotonic() - t0 >= run.timeout_s else "clients exited"
         print(f"run did not finish ({why}) at version {metrics.get('version', 0)}",
               file=sys.stderr)
@@ -108,7 +120,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"final test accuracy {acc:.4f} after {summary['versions']} versions "
           f"({summary['updates']} updates, {summary['bytes_up'] / 1e6:.2f} MB up) "
           f"in {summary['wall_s']:.1f} s" if acc is not None else "no version was published")
-    print(f"results: {out}/metrics.jsonl, {out}/summary.json, {out}/accuracy.png")
+    written = [f"{out}/{name}" for name in ("metrics.jsonl", "summary.json", "accuracy.png")
+               if (out / name).exists()]
+    print(f"results: {', '.join(written)}")
+    if interrupted.is_set():
+        return 130
     return 0 if finished and not failed else 1
 
 
@@ -174,11 +190,14 @@ class ClientLauncher:
                "--num-clients", str(self.run.clients), "--threads", str(self.run.client_threads),
                "--task", task.task, "--model", task.model, "--partition", task.partition,
                "--alpha", str(task.alpha), "--data-seed", str(task.data_seed)]
+        if task.app:
+            cmd += ["--app", task.app]
         if self.device:
             cmd += ["--device", self.device]
         with open(self.logs / f"client-{i:03d}.log", "wb") as logf:
             return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL)
+                                    stdin=subprocess.DEVNULL,  # Ctrl-C: the parent stops them
+                                    start_new_session=sys.platform != "win32")
 
 
 def run_identity(key_seed: int | None, index: int) -> tuple[Any, str]:
@@ -198,6 +217,7 @@ def _forked_client(queue: Any, task: Any, index: int, run: RunConfig, log_path: 
 
     from murmura.client import ClientConfig
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent tells clients to stop
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -219,7 +239,7 @@ def _client_thread(task_cfg: Any, address: str, index: int, run: RunConfig,
     identity, legacy_id = run_identity(key_seed, index)
     cfg = ClientConfig(server=address, client_id=legacy_id, client_index=index,
                        num_clients=run.clients, device="cpu", threads=run.client_threads)
-    run_client(cfg, task_cfg, identity=identity)
+    run_client(cfg, task_cfg, identity=identity, report=False)
 
 
 def _alive(c: Any) -> bool:
@@ -228,16 +248,53 @@ def _alive(c: Any) -> bool:
     return bool(c.is_alive())
 
 
-def _watch(srv: Any, core: Any, progress: Progress, clients: list[Any], timeout: float) -> bool:
+def _watch(srv: Any, core: Any, progress: Progress, clients: list[Any], timeout: float,
+           interrupted: threading.Event | None = None) -> bool:
+    """Follow the run until it is done, times out, its clients are gone or Ctrl-C; until the
+    first version, show start-up progress (clients running, joined)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if srv.wait_done(timeout=0.25):
             progress.update(srv.call(lambda: dict(core.last_metrics)))
             return True
-        progress.update(srv.call(lambda: dict(core.last_metrics)))
+        if interrupted is not None and interrupted.is_set():
+            return False
+        row = srv.call(lambda: dict(core.last_metrics))
+        if int(row.get("version", 0)) == 0:
+            joined = srv.call(lambda: len(core.sessions))
+            running = sum(_alive(c) for c in clients)
+            kind = "threads" if clients and isinstance(clients[0], threading.Thread) \
+                else "processes"
+            progress.starting(f"starting: {running}/{len(clients)} client {kind} running, "
+                              f"{joined}/{len(clients)} joined",
+                              key=(running, joined), elapsed=time.monotonic() - t0)
+        else:
+            progress.update(row)
         if not any(_alive(c) for c in clients):
             return bool(srv.call(lambda: core.done))
     return False
+
+
+@contextlib.contextmanager
+def _on_sigint(event: threading.Event, quiet: bool = False) -> Iterator[None]:
+    """While inside: the first Ctrl-C sets ``event`` (the run stops and writes its summary and
+    plot); a second one interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        event.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if not quiet:
+            print("\ninterrupted: stopping the clients and writing the summary (Ctrl-C again "
+                  "to quit at once)", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _stop_clients(clients: list[Any], grace_s: float = 30.0) -> int:
@@ -298,9 +355,21 @@ async def _serve(server_cfg: Any, task: Any, args: argparse.Namespace) -> int:
             resume = None  # the durable state is the fuller record; it is used by itself
     # Durable (the default): OUT/state.db keeps what a restart needs, and a server started on
     # an OUT that holds state resumes from it (it logs "resumed from the durable state").
-    core = build_core(server_cfg, task, out_dir=out, resume=resume, durable=args.durable)
+    if args.flower_app:  # the model a Flower client starts from (docs/flower.md)
+        from murmura.server.flower import flower_core
+
+        core = flower_core(server_cfg, args.flower_app, out_dir=out, resume=resume,
+                           durable=args.durable)
+    else:
+        core = build_core(server_cfg, task, out_dir=out, resume=resume, durable=args.durable)
     srv = AggregatorServer(core)
-    await srv.start()
+    try:
+        await srv.start()
+    except (OSError, RuntimeError) as exc:  # taken between the check and the bind
+        if "bind" not in str(exc).lower():
+            raise
+        raise ValueError(f"--address: cannot listen on {server_cfg.address[:60]} (port "
+                         f"already in use?)") from None
     print(f"murmura server listening on {srv.address}", flush=True)
     done = asyncio.ensure_future(srv.wait_done())
     stopped = asyncio.ensure_future(stop.wait())
@@ -351,12 +420,19 @@ async def _serve_leaf(server_cfg: Any, task: Any, args: argparse.Namespace,
 
 # -- murmura client ---------------------------------------------------------------------------
 
-def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
+def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None, report: bool = True) -> Any:
     """Join ``cfg.server`` and train the bundled task's share ``cfg.client_index``, under
     ``identity`` if given (else ``cfg``'s key, a fresh one, or its legacy client id)."""
     import torch
 
-    from murmura.client import ClientRuntime, GrpcTransport, RetryPolicy, make_trainer
+    from murmura.client import (
+        ClientRuntime,
+        GrpcTransport,
+        RemoteError,
+        RetryPolicy,
+        SettingsTrainer,
+    )
+    from murmura.client.app import task_trainer, with_client_eval
     from murmura.client.malicious import make_attack
     from murmura.client.status import StatusTrainer
     from murmura.edge import (
@@ -366,7 +442,7 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
         resolve_device,
     )
     from murmura.protocols.tls import channel_credentials
-    from murmura.tasks import load_task
+    from murmura.tasks import ArrayDataset, load_task
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -375,38 +451,52 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
     tls = cfg.tls()
     if tls is not None:
         channel_credentials(tls)  # the same: missing or mismatched files fail now
-    device = resolve_device(cfg.device)
-    if cfg.memory_fraction and device.type == "cuda":  # one of several clients on this GPU
-        torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, device)
-    task = load_task(task_cfg)
-    attack = make_attack(cfg.attack, cfg.attack_options, seed=cfg.client_index)
-    data = task.client_data(cfg.client_index, cfg.num_clients)
-    if attack.data is not None:
-        data = attack.data(data)
-    # The server's settings (sent at join) choose first-order or zeroth-order training per task.
-    trainer = make_trainer(task.build_model(), data, device=str(device), amp=cfg.amp)
-    micro = cfg.micro_batch
-    if not micro and device.type == "cuda" and len(data):  # the most rows that fit the cap
-        try:
-            micro = probe_micro_batch(trainer.model, torch.from_numpy(data.x[:16]),
-                                      torch.from_numpy(data.y[:16]), device=device)
-        except ValueError as exc:  # not one example's backward pass fits
-            if cfg.trainer != "auto":
-                raise
-            log.warning("%s: training zeroth-order (lr %g) whatever the server asks", exc,
-                        cfg.zo_lr)
-            trainer.train_zeroth_order_only(cfg.zo_lr)
-    if cfg.trainer == "zo":
-        trainer.train_zeroth_order_only(cfg.zo_lr)
-    trainer.first_order.micro_batch = micro
-    profile = device_profile(trainer.device)
-    if cfg.profile and len(data):  # a short timed warm-up: the server plans work from it
-        profile = profile_device(trainer.model, torch.from_numpy(data.x[:16]),
-                                 torch.from_numpy(data.y[:16]), device=trainer.device,
-                                 amp=cfg.amp)
-    running = StatusTrainer(trainer, cfg.status_file) if cfg.status_file else trainer
-    transport = GrpcTransport(cfg.server, tls=tls, insecure=cfg.insecure)
+    # a first contact waits at most a few seconds (or the give-up time) before it says so
+    connect_s = min(3.0, max(cfg.give_up_after_s, 0.5))
+    transport = GrpcTransport(cfg.server, tls=tls, insecure=cfg.insecure,
+                              connect_timeout_s=connect_s)
     try:
+        # one try before loading data: a wrong address is reported (a warning naming it)
+        # within seconds; the runtime then retries until --give-up-after-s
+        with contextlib.suppress(RemoteError):
+            transport.connect()
+        device = resolve_device(cfg.device)
+        if cfg.memory_fraction and device.type == "cuda":  # one of several clients on a GPU
+            torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, device)
+        task = load_task(task_cfg)
+        attack = make_attack(cfg.attack, cfg.attack_options, seed=cfg.client_index)
+        data = task.client_data(cfg.client_index, cfg.num_clients)
+        if attack.data is not None:
+            data = attack.data(data)
+        # The server's settings (sent at join) choose first- or zeroth-order training per
+        # task; an app's own train function replaces both (client/app.py).
+        trainer = task_trainer(task, data, device=str(device), amp=cfg.amp)
+        profile = device_profile(device)
+        if isinstance(trainer, SettingsTrainer) and isinstance(data, ArrayDataset) and len(data):
+            micro = cfg.micro_batch
+            if not micro and device.type == "cuda":  # the most rows that fit the cap
+                try:
+                    micro = probe_micro_batch(trainer.model, torch.from_numpy(data.x[:16]),
+                                              torch.from_numpy(data.y[:16]), device=device)
+                except ValueError as exc:  # not one example's backward pass fits
+                    if cfg.trainer != "auto":
+                        raise
+                    log.warning("%s: training zeroth-order (lr %g) whatever the server asks",
+                                exc, cfg.zo_lr)
+                    trainer.train_zeroth_order_only(cfg.zo_lr)
+            trainer.first_order.micro_batch = micro
+            if cfg.profile:  # a short timed warm-up: the server plans work from it
+                profile = profile_device(trainer.model, torch.from_numpy(data.x[:16]),
+                                         torch.from_numpy(data.y[:16]), device=trainer.device,
+                                         amp=cfg.amp)
+        if cfg.trainer == "zo":
+            if not isinstance(trainer, SettingsTrainer):
+                raise ValueError("--trainer zo needs Murmura's own trainer; this app defines "
+                                 "train()")
+            trainer.train_zeroth_order_only(cfg.zo_lr)
+        running = StatusTrainer(trainer, cfg.status_file) if cfg.status_file else trainer
+        running = with_client_eval(running, trainer, task, data, index=cfg.client_index,
+                                   num_clients=cfg.num_clients, seed=task_cfg.data_seed)
         runtime = ClientRuntime(transport, running, client_id=cfg.client_id, identity=identity,
                                 profile=profile, token=cfg.token,
                                 codec=cfg.codec, wait_s=cfg.wait_s, update_hook=attack.update,
@@ -414,8 +504,9 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None) -> Any:
                                 on_ack=_ack_logger(cfg.ack_log) if cfg.ack_log else None)
         log.info("client id %s", runtime.client_id)
         stats = runtime.run(max_tasks=cfg.max_tasks)
-        print(f"client {runtime.client_id}: {stats.pushed} updates pushed, {stats.refused} "
-              f"refused, {stats.retries} retries", flush=True)
+        if report:  # (murmura run's in-process clients would print one line each)
+            print(f"client {runtime.client_id}: {stats.pushed} updates pushed, "
+                  f"{stats.refused} refused, {stats.retries} retries", flush=True)
         return stats
     finally:
         transport.close()
@@ -445,10 +536,28 @@ def cmd_client(args: argparse.Namespace) -> int:
         identity = None
         if args.run_key_seed is not None:  # a client process of `murmura run` (not on Linux)
             identity, _ = run_identity(args.run_key_seed, cfg.client_index)
-        run_client(cfg, task, identity=identity)
+        if args.flower_app:  # a Flower client as the trainer (docs/flower.md)
+            from murmura.client.flower import run_flower_client
+
+            stats = run_flower_client(cfg, args.flower_app, identity=identity)
+            print(f"client: {stats.pushed} updates pushed, {stats.refused} refused",
+                  flush=True)
+        else:
+            run_client(cfg, task, identity=identity)
     except RemoteError as exc:
-        print(f"murmura client: {exc}", file=sys.stderr)
+        print(f"murmura client: {exc.message if exc.status == 'UNAVAILABLE' else exc}",
+              file=sys.stderr)
         return 2
+    return 0
+
+
+# -- murmura new ------------------------------------------------------------------------------
+
+def cmd_new(args: argparse.Namespace) -> int:
+    from murmura.new import scaffold
+
+    path = scaffold(args.name, args.dir, force=args.force)
+    print(f"wrote {path}; run it with: murmura run --app {path} --in-process")
     return 0
 
 
@@ -513,6 +622,37 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 # -- parser -----------------------------------------------------------------------------------
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: ...)`` where the help line does not say it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.required or action.default is None \
+                or action.default is False or action.default is argparse.SUPPRESS \
+                or not action.option_strings:
+            return text
+        if action.default == "":
+            return f"{text} (default: none)"
+        return super()._get_help_string(action) or text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``murmura: error: ...``, exit code 2) and help lines
+    that show defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> Any:  # argparse's own errors: unknown flag, bad int...
+        self.exit(2, f"murmura: error: {message} (see {self.prog} --help)\n")
+
+CONFIG_HELP = ("TOML file with [task], [server], [client], [run], [simulation], [gossip] "
+               "and [peer] tables, keys as the flags without dashes; flags override it; an "
+               "unknown table or key is an error")
+VERBOSE_HELP = "more log output (repeat for more: -vv)"
+QUIET_HELP = "less output: no start-up or progress lines, only warnings and the result"
+
 #: Server fields that make no sense for ``murmura run`` (its server and clients share loopback).
 _SERVE_ONLY = ("tls_cert", "tls_key", "client_ca", "insecure", "key", "upstream_tls_ca",
                "upstream_tls_cert", "upstream_tls_key")
@@ -524,16 +664,16 @@ def build_parser() -> argparse.ArgumentParser:
     from murmura.server import ServerConfig
     from murmura.tasks import TaskConfig
 
-    parser = argparse.ArgumentParser(prog="murmura", description=(
+    parser = _Parser(prog="murmura", description=(
         "Federated and decentralized learning: an aggregator service, gRPC clients and a "
         "simulator sharing one code path."))
     parser.add_argument("--version", action="version", version=f"murmura {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--config", help="TOML file with [task], [server], [client], [run] tables")
-        p.add_argument("-v", "--verbose", action="count", default=0)
-        p.add_argument("-q", "--quiet", action="count", default=0)
+        p.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+        p.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
+        p.add_argument("-q", "--quiet", action="count", default=0, help=QUIET_HELP)
 
     p = sub.add_parser("run", help="aggregator + N clients on loopback, end to end",
                        description="Start an aggregator and N client processes on loopback, "
@@ -543,7 +683,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, TaskConfig, title="task")
     add_arguments(p, ServerConfig, title="server", skip=("address", *_SERVE_ONLY))
     add_arguments(p, GossipConfig, title="gossip (with --gossip)")
-    p.add_argument("--device", default=None, help="clients' device: auto, cpu, cuda, mps")
+    p.add_argument("--device", default=None,
+                   help="clients' device: auto, cpu, cuda, mps or cuda:N (default: auto)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("server", help="run the aggregator service",
@@ -552,16 +693,23 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     add_arguments(p, TaskConfig, title="task")
     add_arguments(p, ServerConfig, title="server")
-    p.add_argument("--out", default="runs/server", help="output directory (default: runs/server)")
+    p.add_argument("--out", default="runs/server", metavar="DIR",
+                   help="output directory: metrics.jsonl, summary.json, checkpoint.npz, "
+                   "state.db")
     p.add_argument("--resume", default=None, metavar="PATH|auto",
                    help="start from a checkpoint; 'auto' uses OUT/checkpoint.npz if present "
                    "(a durable OUT resumes from its state.db without this flag)")
     p.add_argument("--durable", action=argparse.BooleanOptionalAction, default=True,
                    help="keep sessions, counted updates, counters and acknowledged updates in "
                    "OUT/state.db, acknowledge a push once it is on disk, and resume from OUT "
-                   "after a crash or restart (default: on)")
+                   "after a crash or restart")
     p.add_argument("--linger-s", type=float, default=5.0,
-                   help="after the last version, keep telling clients to stop (default: 5)")
+                   help="after the last version, keep telling clients to stop for this many "
+                   "seconds")
+    p.add_argument("--flower-app", default=None, metavar="MODULE:ATTR",
+                   help="serve the model of this Flower NumPyClient/client_fn/ClientApp "
+                   "(MODULE importable or FILE.py) instead of --task's model; see "
+                   "docs/flower.md")
     p.set_defaults(fn=cmd_server)
 
     p = sub.add_parser("client", help="run one client against an aggregator",
@@ -571,6 +719,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, ClientConfig, title="client")
     add_arguments(p, TaskConfig, title="task")
     p.add_argument("--run-key-seed", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--flower-app", default=None, metavar="MODULE:ATTR",
+                   help="train with this Flower NumPyClient/client_fn/ClientApp (MODULE "
+                   "importable or FILE.py) instead of --task's model; see docs/flower.md")
     p.set_defaults(fn=cmd_client)
 
     p = sub.add_parser("peer", help="run one gossip peer (no server)",
@@ -583,6 +734,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, GossipConfig, title="gossip")
     add_arguments(p, TaskConfig, title="task")
     p.set_defaults(fn=cmd_peer)
+
+    p = sub.add_parser("new", help="write a starting app file NAME.py (docs/apps.md)",
+                       description="Write NAME.py, an app file with a small model, generated "
+                       "client data, a train function and comments on what else an app can "
+                       "define; `murmura run --app NAME.py` runs it as it is.")
+    p.add_argument("name", metavar="NAME", help="the app's name: writes NAME.py")
+    p.add_argument("--dir", default=".", help="directory to write it in (default: .)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing NAME.py")
+    p.set_defaults(fn=cmd_new)
 
     p = sub.add_parser("keys", help="node identity keys (Ed25519)",
                        description="Make a node identity: an Ed25519 key whose public key "
@@ -604,8 +764,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = certs.add_parser("server", help="a server certificate signed by the CA")
     c.add_argument("--ca", required=True, metavar="DIR", help="the CA's directory (certs init)")
     c.add_argument("--host", default="localhost,127.0.0.1", metavar="NAME[,IP...]",
-                   help="names and IP addresses clients use to reach the server "
-                   "(default: localhost,127.0.0.1)")
+                   help="names and IP addresses clients use to reach the server")
     c.add_argument("--out", required=True, metavar="DIR",
                    help="directory for server.crt and server.key")
     c = certs.add_parser("client", help="a client certificate signed by the CA (mutual TLS)")
@@ -620,20 +779,22 @@ def build_parser() -> argparse.ArgumentParser:
                        "backoff and print a status table until every client is done.")
     common(p)
     p.add_argument("--server", required=True, help="the aggregator's HOST:PORT")
-    p.add_argument("--clients-per-device", type=int, default=1)
+    p.add_argument("--clients-per-device", type=int, default=1,
+                   help="client processes started on each device")
     p.add_argument("--devices", default="auto", help="auto, or a list: cuda:0,cuda:1,cpu")
     p.add_argument("--memory-fraction", type=float, default=0.0,
                    help="CUDA: cap each client at this share of its GPU (0: no cap)")
     p.add_argument("--client-index-start", type=int, default=0,
                    help="data share of the first client; the others follow")
     p.add_argument("--num-clients", type=int, default=0,
-                   help="shares the data is split into (default: start + clients launched)")
+                   help="shares the data is split into (0: start + clients launched)")
     p.add_argument("--token", default="", help="join token, passed to every client")
     p.add_argument("--client-option", action="append", metavar="'--FLAG VALUE'",
-                   help="repeatable: passed to every `murmura client`")
+                   help="repeatable: passed to every `murmura client`, e.g. '--codec int8'")
     p.add_argument("--work-dir", default="runs/launch",
-                   help="client logs and status files (default: runs/launch)")
-    p.add_argument("--table-every-s", type=float, default=2.0)
+                   help="client logs and status files")
+    p.add_argument("--table-every-s", type=float, default=2.0,
+                   help="print the status table every this many seconds")
     p.set_defaults(fn=cmd_launch)
 
     from murmura.simulation.cli import add_parser as add_simulate
@@ -645,10 +806,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from murmura.validate import UsageError, validate
+
     try:
+        validate(args)  # every option and config table, before anything starts
         return int(args.fn(args))
-    except ValueError as exc:  # configuration errors: say what is wrong, no traceback
-        print(f"murmura {args.command}: {exc}", file=sys.stderr)
+    except ValueError as exc:  # UsageError; configuration errors found later say the command
+        text = " ".join(str(exc).split())
+        where = "murmura: error:" if isinstance(exc, UsageError) else f"murmura {args.command}:"
+        print(f"{where} {text}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -29,14 +29,19 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _flat_fields(cls: type) -> list[tuple[str, Any, dataclasses.Field[Any]]]:
     """(name, type, field) for every leaf field, nested dataclasses flattened."""
+    return [(name, t, f) for _, name, t, f in _owned_fields(cls)]
+
+
+def _owned_fields(cls: type) -> list[tuple[type, str, Any, dataclasses.Field[Any]]]:
+    """(owning class, name, type, field) for every leaf field, nested dataclasses flattened."""
     out = []
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
         t = hints[f.name]
         if dataclasses.is_dataclass(t):
-            out.extend(_flat_fields(t))
+            out.extend(_owned_fields(t))  # type: ignore[arg-type]
         else:
-            out.append((f.name, t, f))
+            out.append((cls, f.name, t, f))
     return out
 
 
@@ -44,29 +49,62 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _shown_default(f: dataclasses.Field[Any], t: Any) -> str:
+    """A field's default as ``--help`` shows it."""
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "required"
+    if t is bool:
+        return "on" if value else "off"
+    if value in ("", {}, None):
+        return "none"
+    return str(value)
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str,
                   skip: tuple[str, ...] = ()) -> None:
-    """One flag per leaf field of ``cls``; defaults stay None so given flags can be told apart."""
+    """One flag per leaf field of ``cls``; defaults stay None so given flags can be told apart.
+
+    Each flag's help is the field's ``metadata["help"]`` or its line in
+    :mod:`murmura.helptext`, then the field's default.
+    """
+    from murmura.helptext import field_help
+
     group = parser.add_argument_group(title)
     taken = {a.dest for a in parser._actions}
-    for name, t, f in _flat_fields(cls):
+    for owner, name, t, f in _owned_fields(cls):
         if name in skip or name in taken:  # a shared name (e.g. seed) is one flag for both
             continue
         taken.add(name)
-        default = f.default if f.default is not dataclasses.MISSING else None
-        helptext = f"(default: {default!r})" if default not in (None, "") else None
-        if f.metadata.get("help"):  # a field's own help text says what it is for
-            helptext = f.metadata["help"]
+        text = f.metadata.get("help") or field_help(owner.__name__, name) or ""
+        if "default" not in text:
+            text = f"{text} (default: {_shown_default(f, t)})".lstrip()
+        text = text.replace("%", "%%")  # argparse formats help with %
         if t is bool:
             group.add_argument(_flag(name), dest=name, default=None,
-                               action=argparse.BooleanOptionalAction, help=helptext)
+                               action=argparse.BooleanOptionalAction, help=text)
         elif typing.get_origin(t) is dict:
-            group.add_argument(_flag(name).rstrip("s"), dest=name, metavar="KEY=VALUE",
-                               action="append", default=None,
-                               help=f"repeatable: {_flag(name).rstrip('s')} key=value")
+            flag = _flag(name).rstrip("s")
+            group.add_argument(flag, dest=name, metavar="KEY=VALUE", action="append",
+                               default=None, help=f"repeatable: {text}")
         else:
             base = t if t in (int, float, str) else str
-            group.add_argument(_flag(name), dest=name, type=base, default=None, help=helptext)
+            metavar = {int: "N", float: "X"}.get(base, name.upper())
+            group.add_argument(_flag(name), dest=name, type=base, default=None, help=text,
+                               metavar=metavar)
+
+
+def known_keys(cls: type) -> tuple[set[str], dict[str, type]]:
+    """The keys a table for ``cls`` may hold (its fields, and its nested dataclasses' fields
+    written flat), and the nested dataclasses by field name (their own sub-tables)."""
+    hints = _hints(cls)
+    nested = {f.name: hints[f.name] for f in dataclasses.fields(cls)
+              if dataclasses.is_dataclass(hints[f.name])}
+    keys = {f.name for f in dataclasses.fields(cls)} | {n for n, _, _ in _flat_fields(cls)}
+    return keys, nested
 
 
 def read_toml(path: str | Path | None) -> dict[str, Any]:

@@ -149,8 +149,10 @@ def cmd_run_gossip(args: argparse.Namespace, run: Any, toml: dict[str, Any]) -> 
     for stale in [*report.glob("*.jsonl"), *report.glob("*.npy"), out / "metrics.jsonl"]:
         if stale.exists():
             stale.unlink()
-    print(f"murmura run --gossip: {run.clients} peers, topology={gossip.topology}, "
-          f"rounds={gossip.rounds}, task={task.task}, out={out}", file=sys.stderr)
+    quiet = getattr(args, "quiet", 0) > 0
+    if not quiet:
+        print(f"murmura run --gossip: {run.clients} peers, topology={gossip.topology}, "
+              f"rounds={gossip.rounds}, task={task.task}, out={out}", file=sys.stderr)
     t0 = time.monotonic()
     # Imported once here and shared by the forked peers (copy-on-write): the first optimizer
     # step imports torch._dynamo lazily, 5 s per process on a small machine. Import only: no
@@ -185,10 +187,11 @@ def cmd_run_gossip(args: argparse.Namespace, run: Any, toml: dict[str, Any]) -> 
                         args=(cfg, task, gossip, None, str(out / "peers" / f"{ids[i]}.log")))
         p.start()
         procs.append(p)
-    print(f"first peer listening on {bootstrap}", file=sys.stderr)
+    if not quiet:
+        print(f"first peer listening on {bootstrap}", file=sys.stderr)
     recorder = RunRecorder(out, config={"run": asdict(run), "task": asdict(task),
                                         "gossip": asdict(gossip)})
-    progress = Progress(gossip.rounds)
+    progress = Progress(gossip.rounds, quiet=quiet)
     follow = GossipRun(report, ids)
     try:
         while time.monotonic() - t0 < run.timeout_s:

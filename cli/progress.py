@@ -3,18 +3,57 @@
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Hashable
 from typing import Any, TextIO
 
 
 class Progress:
-    def __init__(self, total: int, *, stream: TextIO | None = None, width: int = 24) -> None:
+    """Start-up status, then one bar per global version.
+
+    On a terminal one line is rewritten in place; otherwise a line is written per change
+    (start-up lines at most every ``every_s`` seconds, and on the last change). ``quiet``
+    writes nothing (``-q``).
+    """
+
+    def __init__(self, total: int, *, stream: TextIO | None = None, width: int = 24,
+                 quiet: bool = False, every_s: float = 2.0) -> None:
         self.total = max(total, 1)
         self.stream = stream or sys.stderr
         self.width = width
+        self.quiet = quiet
+        self.every_s = every_s
         self.tty = self.stream.isatty()
         self._last = -1
+        self._start_key: Hashable = None
+        self._start_at = -float("inf")
+        self._open = False  # a terminal line is waiting for its newline
+
+    def _write(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r" + text.ljust(100))
+            self._open = True
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def starting(self, text: str, *, key: Hashable = None, elapsed: float = 0.0) -> None:
+        """Before the first version: ``text`` (e.g. clients running and joined), written when
+        ``key`` changes (throttled off a terminal) or, on a terminal, as the time moves."""
+        if self.quiet or self._last >= 0:
+            return
+        now = time.monotonic()
+        changed = key != self._start_key
+        if not self.tty and (not changed or now - self._start_at < self.every_s):
+            return
+        if not changed and now - self._start_at < 0.5:
+            return
+        self._start_key, self._start_at = key, now
+        self._write(f"{text}  {elapsed:.1f}s")
 
     def update(self, row: dict[str, Any]) -> None:
+        if self.quiet:
+            return
         version = int(row.get("version", 0))
         if version == self._last:
             return
@@ -28,13 +67,10 @@ class Progress:
                 + f"  updates {row.get('updates', 0)}"
                 + f"  up {row.get('bytes_up', 0) / 1e6:.2f} MB"
                 + f"  {row.get('time_s', 0.0):.1f}s")
-        if self.tty:
-            self.stream.write("\r" + text.ljust(100))
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+        self._write(text)
 
     def close(self) -> None:
-        if self.tty and self._last >= 0:
+        if self._open:
             self.stream.write("\n")
             self.stream.flush()
+            self._open = False

@@ -34,6 +34,7 @@ __all__ = [
     "codec_choice",
     "encoder_seed",
     "make_encoder",
+    "run_is_over",
 ]
 
 #: Characters in an update id: 72 random bits in URL-safe base64.
@@ -119,6 +120,17 @@ class UpdateIds:
         if self._rng is None:
             return secrets.token_urlsafe(_ID_BYTES)
         return base64.urlsafe_b64encode(self._rng.randbytes(_ID_BYTES)).decode("ascii")
+
+
+#: What the aggregator says when it refuses an update because the run has ended (or its last
+#: version is being made): server/core.py's ``_finished_message`` ends with it.
+RUN_OVER_TEXT = "no more updates are taken"
+
+
+def run_is_over(status: str, message: str) -> bool:
+    """Whether a refusal only means the run has ended: a normal finish, not a problem (an
+    async run's last updates arrive after its last version and are refused this way)."""
+    return status == "FAILED_PRECONDITION" and RUN_OVER_TEXT in message
 
 
 def after_refusal(status: str, retry_after_s: float | None = None) -> RefusalAction:

@@ -24,6 +24,7 @@ from murmura.client.rules import (
     codec_choice,
     encoder_seed,
     make_encoder,
+    run_is_over,
 )
 from murmura.client.trainer import Trainer, delta_of
 from murmura.client.transport import RemoteError, Transport
@@ -273,6 +274,9 @@ class ClientRuntime:
             # next_task (a session lost and not regained lands here too, as before)
             self.stats.refused += 1
             self.stats.refusals.append(exc.status)
+            if run_is_over(exc.status, exc.message):  # a normal end: the next task says stop
+                log.info("%s: the run is over; this update came too late", self.client_id)
+                return
             log.warning("%s: update refused: %s", self.client_id, exc)
             return
         self.stats.pushed += 1

@@ -6,6 +6,7 @@ runtime runs unchanged over the network and inside a simulated federation.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 
 import grpc
@@ -28,6 +29,12 @@ from murmura.protocols import murmura_pb2_grpc as pb_grpc
 from murmura.protocols.identity import NodeKey
 from murmura.protocols.pool import POOL_SCALARS_CODEC
 from murmura.protocols.tls import ClientTls, channel_credentials, is_loopback
+
+log = logging.getLogger(__name__)
+
+#: How long a first contact waits for an answer before it fails with UNAVAILABLE, naming the
+#: address; the retry policy then tries again or gives up.
+CONNECT_TIMEOUT_S = 3.0
 
 #: Statuses worth retrying after a pause: the server is away, overloaded or restarting.
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED"})
@@ -114,13 +121,18 @@ class GrpcTransport(Transport):
 
     def __init__(self, address: str, *, timeout_s: float = 60.0,
                  chunk_bytes: int = serde.CHUNK_BYTES, tls: ClientTls | None = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._connected = False  # the aggregator has answered once
+        self._warned = False
         self.chunk_bytes = chunk_bytes
         options = [
             ("grpc.max_receive_message_length", 4 * chunk_bytes + (1 << 16)),
             ("grpc.max_send_message_length", 4 * chunk_bytes + (1 << 16)),
+            # reconnect within seconds of a restarted server, not gRPC's 2-minute backoff cap
+            ("grpc.max_reconnect_backoff_ms", 5000),
         ]
         if tls is not None:
             self._channel = grpc.secure_channel(address, channel_credentials(tls), options)
@@ -155,12 +167,49 @@ class GrpcTransport(Transport):
         return RemoteError(code.name if code else "UNKNOWN", details or "",
                            retry_after_s=retry_after)
 
+    def connect(self) -> None:
+        """Make sure the aggregator answers: a no-op once it has, else one Challenge call.
+
+        A first contact waits at most ``connect_timeout_s`` for an answer (later calls wait
+        up to the call deadline, ``timeout_s``, for a restarted server); with nothing
+        listening it fails with a retryable :class:`RemoteError` (``UNAVAILABLE``) that names
+        the address, logs a warning with a hint the first time, and the runtime's retry
+        policy decides when to give up.
+        """
+        if not self._connected:
+            self.challenge()
+
+    def _unreachable(self, exc: grpc.RpcError) -> RemoteError:
+        """A first contact that failed: UNAVAILABLE naming the address, or what it said."""
+        error = self._wrap(exc)
+        if error.status not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+            return error  # something answered: its refusal says what is wrong
+        details = error.message.lower()
+        reason = ("connection refused" if "refused" in details
+                  else f"no answer within {self.connect_timeout_s:g} s"
+                  if error.status == "DEADLINE_EXCEEDED" else error.message[:80])
+        message = (f"cannot reach the aggregator at {self.address[:80]} ({reason}): is "
+                   f"`murmura server` running there? check the address, the port and TLS "
+                   f"settings")
+        if not self._warned:
+            self._warned = True
+            log.warning(message)
+        return RemoteError("UNAVAILABLE", message)
+
     def challenge(self) -> bytes:
         try:
-            reply = self._stub.Challenge(pb.ChallengeRequest(), timeout=self.timeout_s,
-                                         wait_for_ready=True)
+            if self._connected:
+                reply = self._stub.Challenge(pb.ChallengeRequest(), timeout=self.timeout_s,
+                                             wait_for_ready=True)
+            else:  # a first contact waits connect_timeout_s at most (see connect)
+                reply = self._stub.Challenge(pb.ChallengeRequest(),
+                                             timeout=self.connect_timeout_s,
+                                             wait_for_ready=True)
         except grpc.RpcError as exc:
-            raise self._wrap(exc) from None
+            raise (self._wrap(exc) if self._connected else self._unreachable(exc)) from None
+        if not self._connected and self._warned:
+            log.info("connected to the aggregator at %s", self.address[:80])
+        self._connected = True
         return bytes(reply.nonce)
 
     def join(self, client_id: str, profile: DeviceProfile, token: str = "",
@@ -170,6 +219,7 @@ class GrpcTransport(Transport):
         if proof is not None:
             req.public_key, req.nonce, req.signature = (proof.public_key, proof.nonce,
                                                         proof.signature)
+        self.connect()
         try:
             reply = self._stub.Join(req, timeout=self.timeout_s, wait_for_ready=True)
         except grpc.RpcError as exc:

@@ -54,6 +54,7 @@ class GossipConfig:
     round_timeout_s: float = 2.0
     min_messages: int = 0
     max_round_lag: int = 10
+    require_signatures: bool = False  # refuse messages from peers that do not sign
     min_peers: int = 1             # wait until this many peers (self included) are known...
     start_timeout_s: float = 30.0  # ...or this long, before the first round
     # local training, as a server's [server.train] would say
@@ -129,6 +130,8 @@ class PeerConfig:
     attack: str = ""               # red-team mode, as for clients
     attack_options: dict[str, str] = field(default_factory=dict)
     report: str = ""               # directory for per-round rows (murmura run --gossip)
+    key: str = ""                  # identity key FILE (murmura keys new); default: ephemeral
+    unsigned: bool = False         # send unsigned messages (peers that predate signatures)
 
     def __post_init__(self) -> None:
         if ":" not in self.listen:

@@ -8,6 +8,7 @@ from murmura.protocols.errors import (
     PermissionDenied,
     ResourceExhausted,
     ServiceError,
+    Unauthenticated,
     Unavailable,
     quote,
 )
@@ -16,4 +17,4 @@ from murmura.protocols.errors import (
 GossipError = ServiceError
 
 __all__ = ["Aborted", "FailedPrecondition", "GossipError", "InvalidArgument", "PermissionDenied",
-           "ResourceExhausted", "Unavailable", "quote"]
+           "ResourceExhausted", "Unauthenticated", "Unavailable", "quote"]

@@ -1,11 +1,16 @@
-"""Who sent a message: binding peer ids to addresses, with a hook for signatures.
+"""Who sent a message: peer ids bound to keys (signing peers) or to addresses (the rest).
 
-Today a peer id is bound to the first address a peer learns for it; a message that claims a
-bound id from another address is refused (PERMISSION_DENIED) while the bound address still
-answers Health, and rebinds the id when it does not (a restarted peer comes back on a new
-port). Signed identities (``protocols/identity.py``, built separately) plug in through
-``verify``: a callable ``(peer_id, signature, body) -> bool`` checked before any binding, so a
-valid signature can later replace the liveness probe entirely.
+A signing peer (one with a :class:`~murmura.protocols.identity.NodeKey`) puts its Ed25519
+public key in its ``PeerInfo`` and signs every exchange, push and goodbye
+(:func:`~murmura.protocols.identity.peer_message`). The first message with a valid signature
+binds its id to that key; from then on only that key speaks for the id: a message with
+another key or with none is refused (PERMISSION_DENIED), wherever it comes from, and a valid
+one may come from a new address (a restarted peer on a new port) without more ado.
+
+Ids that never signed are bound to the first address a peer learns for them; a message that
+claims a bound id from another address is refused while the bound address still answers
+Health, and rebinds the id when it does not. ``require_signatures`` refuses unsigned messages
+outright (UNAUTHENTICATED).
 """
 
 from __future__ import annotations
@@ -15,13 +20,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from murmura.gossip.errors import InvalidArgument, PermissionDenied, quote
+from murmura.gossip.errors import InvalidArgument, PermissionDenied, Unauthenticated, quote
+from murmura.protocols.identity import PUBLIC_KEY_BYTES, verify
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AddressBinding", "Verifier", "check_well_formed", "well_formed"]
+__all__ = ["AddressBinding", "check_well_formed", "well_formed"]
 
-Verifier = Callable[[str, bytes, bytes], bool]
 MAX_ID_CHARS = 128
 MAX_ADDRESS_CHARS = 256
 
@@ -43,29 +48,43 @@ def check_well_formed(peer_id: str, address: str) -> None:
 
 
 class AddressBinding:
-    """peer id -> address, first come; rebinding only when the old address is dead."""
+    """peer id -> key (signing peers) or address (first come; rebinding only when the old
+    address is dead). Thread-safe."""
 
     def __init__(self, owner: str, *, is_alive: Callable[[str, str], bool],
-                 verify: Verifier | None = None, max_entries: int = 100_000) -> None:
+                 require_signatures: bool = False, max_entries: int = 100_000) -> None:
         self.owner = owner
         self.is_alive = is_alive  # (peer_id, address) -> whether that peer answers there
-        self.verify = verify
+        self.require_signatures = require_signatures
         self.max_entries = max_entries
         self._bound: OrderedDict[str, str] = OrderedDict()
+        self._keys: OrderedDict[str, bytes] = OrderedDict()
         self._lock = threading.Lock()
 
-    def check(self, peer_id: str, address: str, *, signature: bytes = b"",
-              body: bytes = b"") -> None:
-        """Raise a typed refusal unless ``peer_id`` at ``address`` is believable."""
+    def check(self, peer_id: str, address: str, *, public_key: bytes = b"",
+              signature: bytes | None = b"", message: bytes = b"") -> None:
+        """Raise a typed refusal unless ``peer_id`` at ``address`` is believable.
+
+        ``signature=None`` defers the signature check (a push's header arrives before the
+        payload it signs): only the id, address and key binding are checked and nothing is
+        bound; :meth:`check` again with the signature once the payload is in.
+        """
         check_well_formed(peer_id, address)
         if peer_id == self.owner:
             raise PermissionDenied(f"a peer at {quote(address)} claims this peer's own id")
-        if self.verify is not None and not self.verify(peer_id, signature, body):
-            raise PermissionDenied(f"signature check failed for peer {quote(peer_id)}")
+        if public_key:
+            self._check_key(peer_id, address, public_key, signature, message)
+            return
+        if self.require_signatures:
+            raise Unauthenticated(f"peer {quote(peer_id)} sent an unsigned message; this "
+                                  f"network requires signatures")
         with self._lock:
+            if peer_id in self._keys:
+                raise PermissionDenied(f"peer {quote(peer_id)} signs its messages; an unsigned "
+                                       f"one cannot speak for it")
             bound = self._bound.get(peer_id)
             if bound is None or bound == address:
-                self._bind(peer_id, address)
+                self._bind(self._bound, peer_id, address)
                 return
         # the id is bound elsewhere: refuse while the bound peer is alive (probe off the lock)
         if self.is_alive(peer_id, bound):
@@ -73,14 +92,39 @@ class AddressBinding:
         log.info("peer %s moved from %s to %s (the old address is dead)", peer_id, bound,
                  address)
         with self._lock:
-            self._bind(peer_id, address)
+            self._bind(self._bound, peer_id, address)
 
-    def _bind(self, peer_id: str, address: str) -> None:
-        self._bound[peer_id] = address
-        self._bound.move_to_end(peer_id)
-        while len(self._bound) > self.max_entries:
-            self._bound.popitem(last=False)
+    def _check_key(self, peer_id: str, address: str, public_key: bytes,
+                   signature: bytes | None, message: bytes) -> None:
+        if len(public_key) != PUBLIC_KEY_BYTES:
+            raise InvalidArgument(f"a public key has {PUBLIC_KEY_BYTES} bytes, got "
+                                  f"{len(public_key)}")
+        with self._lock:
+            bound = self._keys.get(peer_id)
+        if bound is not None and bound != public_key:
+            raise PermissionDenied(f"peer id {quote(peer_id)} is bound to another key")
+        if signature is None:
+            return  # deferred: checked with the payload
+        if not verify(public_key, signature, message):
+            raise PermissionDenied(f"the signature of peer {quote(peer_id)} does not verify")
+        with self._lock:
+            if self._keys.setdefault(peer_id, public_key) != public_key:  # a race: first wins
+                raise PermissionDenied(f"peer id {quote(peer_id)} is bound to another key")
+            self._keys.move_to_end(peer_id)
+            self._bind(self._bound, peer_id, address)
+            while len(self._keys) > self.max_entries:
+                self._keys.popitem(last=False)
+
+    def _bind(self, table: OrderedDict[str, str], peer_id: str, address: str) -> None:
+        table[peer_id] = address
+        table.move_to_end(peer_id)
+        while len(table) > self.max_entries:
+            table.popitem(last=False)
 
     def address_of(self, peer_id: str) -> str | None:
         with self._lock:
             return self._bound.get(peer_id)
+
+    def key_of(self, peer_id: str) -> bytes | None:
+        with self._lock:
+            return self._keys.get(peer_id)

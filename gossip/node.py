@@ -55,6 +55,7 @@ class PeerNode:
         self.peer_id, self.spec, self.config, self.address = peer_id, spec, config, address
         self.model = np.array(model, dtype=np.float32, copy=True)
         self.round = 0
+        self.public_key = b""  # set by a signing peer's runtime
         self.view = PeerView(peer_id, config.view_size, seed=config.seed)
         self.num_peers = num_peers  # the run's size when known (Epidemic's s = log2 n)
         # sender -> round -> model: a neighbour that runs ahead may send its next round's model
@@ -87,7 +88,7 @@ class PeerNode:
     # -- membership
 
     def me(self) -> PeerInfo:
-        return PeerInfo(self.peer_id, self.address, self.round, 0)
+        return PeerInfo(self.peer_id, self.address, self.round, 0, self.public_key)
 
     def members(self) -> list[str]:
         return self.view.ids()

@@ -21,6 +21,7 @@ from murmura.client.malicious import make_attack
 from murmura.gossip.config import GossipConfig, PeerConfig
 from murmura.gossip.runtime import PeerRuntime, PeerStats, RoundReport
 from murmura.gossip.transport import GrpcPeerTransport
+from murmura.protocols.identity import NodeKey
 from murmura.tasks import TaskConfig, load_task
 from murmura.tasks.models import evaluate
 
@@ -72,6 +73,8 @@ def build_peer(cfg: PeerConfig, task_cfg: TaskConfig, gossip: GossipConfig, *,
                        model=start, catch_up=cfg.catch_up, on_round=on_round,
                        num_peers=cfg.num_clients,
                        update_hook=attack.update,
+                       key=None if cfg.unsigned else (NodeKey.load(cfg.key) if cfg.key
+                                                      else NodeKey.generate()),
                        retry=RetryPolicy(initial_s=0.05, max_s=1.0, give_up_after_s=60.0))
 
 

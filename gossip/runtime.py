@@ -31,7 +31,7 @@ from murmura.gossip.errors import (
     Unavailable,
     quote,
 )
-from murmura.gossip.identity import AddressBinding, Verifier, check_well_formed
+from murmura.gossip.identity import AddressBinding, check_well_formed
 from murmura.gossip.journal import RoundLogs, StepJournal, digest, replay
 from murmura.gossip.node import PeerNode, training_seed
 from murmura.gossip.transport import Health, HistoryRecord, PeerHandler, PeerTransport
@@ -44,12 +44,19 @@ from murmura.protocols import (
     UnknownCodecError,
     create_codec,
 )
+from murmura.protocols.identity import NodeKey, payload_digest, peer_message
 
 log = logging.getLogger(__name__)
 
 __all__ = ["PeerRuntime", "PeerStats", "RoundReport"]
 
 UpdateHook = Callable[[FlatVector], FlatVector]
+
+
+def _push_fields(message_id: str, round_: int, num_examples: int, codec: str, fingerprint: str,
+                 payload: bytes | memoryview) -> tuple[str, int, int, str, str, bytes]:
+    """The fields of a model push a signature covers, the payload by its SHA-256."""
+    return message_id, round_, num_examples, codec, fingerprint, payload_digest(payload)
 
 
 @dataclass
@@ -93,7 +100,7 @@ class PeerRuntime(PeerHandler):
                  model: FlatVector | None = None, catch_up: bool = False,
                  retry: RetryPolicy | None = None,
                  on_round: Callable[[RoundReport], None] | None = None,
-                 update_hook: UpdateHook | None = None, verify: Verifier | None = None,
+                 update_hook: UpdateHook | None = None, key: NodeKey | None = None,
                  num_peers: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         self.transport, self.trainer, self.peer_id = transport, trainer, peer_id
         self.config = config or GossipConfig()
@@ -112,7 +119,11 @@ class PeerRuntime(PeerHandler):
                 raise ValueError("pass model= (the run's starting model) for this trainer")
             model = self.spec.flatten(module)
         self.node = PeerNode(peer_id, self.spec, self.config, model, num_peers=num_peers)
-        self.identity = AddressBinding(peer_id, is_alive=self._alive, verify=verify)
+        self.key = key
+        if key is not None:
+            self.node.public_key = key.public_bytes
+        self.identity = AddressBinding(peer_id, is_alive=self._alive,
+                                       require_signatures=self.config.require_signatures)
         self.stats = PeerStats()
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -178,7 +189,7 @@ class PeerRuntime(PeerHandler):
             me, entries = self.node.me(), self.node.view.entries()
         for e in entries:
             try:
-                self.transport.goodbye(e.address, me)
+                self.transport.goodbye(e.address, me, signature=self._sign("goodbye", me))
             except RemoteError:
                 pass
         self.transport.stop()
@@ -193,8 +204,10 @@ class PeerRuntime(PeerHandler):
         while not joined:
             for address in self.bootstrap:
                 try:
+                    me = self.node.me()
                     sender, peers, _ = self.transport.exchange(
-                        address, self.node.me(), [], self.node.fingerprint)
+                        address, me, [], self.node.fingerprint,
+                        signature=self._sign("exchange", me, self.node.fingerprint))
                 except RemoteError as exc:
                     if not exc.retryable:
                         raise
@@ -336,10 +349,14 @@ class PeerRuntime(PeerHandler):
 
     def _send(self, target: str, address: str, me: PeerInfo, round_: int, payload: bytes,
               num_examples: int, codec: str = "dense-f32") -> None:
-        header = PeerModelHeader(sender=me, message_id=secrets.token_urlsafe(9), round=round_,
+        message_id = secrets.token_urlsafe(9)
+        header = PeerModelHeader(sender=me, message_id=message_id, round=round_,
                                  num_examples=num_examples, codec=codec,
                                  payload_bytes=len(payload),
-                                 spec_fingerprint=self.node.fingerprint)
+                                 spec_fingerprint=self.node.fingerprint,
+                                 signature=self._sign("push", me, *_push_fields(
+                                     message_id, round_, num_examples, codec,
+                                     self.node.fingerprint, payload)))
         delay, started = self.retry.initial_s, self.clock()
         budget = max(self.config.round_timeout_s, 0.5)
         while not self._stop.is_set():
@@ -381,8 +398,9 @@ class PeerRuntime(PeerHandler):
             me = self.node.me()
             history = self.node.history_offer(self._rand)
         try:
-            sender, peers, theirs = self.transport.exchange(partner.address, me, offer,
-                                                            self.node.fingerprint, history)
+            sender, peers, theirs = self.transport.exchange(
+                partner.address, me, offer, self.node.fingerprint, history,
+                signature=self._sign("exchange", me, self.node.fingerprint))
         except RemoteError as exc:
             if exc.retryable:
                 self._mark_dead(partner.peer_id, partner.address)
@@ -391,6 +409,12 @@ class PeerRuntime(PeerHandler):
             self.node.heard_from(PeerInfo(sender.peer_id, partner.address, sender.round, 0))
             self.node.merge(peers)
             self.node.take_history(theirs)
+
+    def _sign(self, kind: str, me: PeerInfo, *parts: bytes | str | int) -> bytes:
+        """This peer's signature of a message (empty for a peer without a key)."""
+        if self.key is None:
+            return b""
+        return self.key.sign(peer_message(kind, me.peer_id, me.address, me.public_key, *parts))
 
     def _alive(self, peer_id: str, address: str) -> bool:
         try:
@@ -406,7 +430,10 @@ class PeerRuntime(PeerHandler):
         if fingerprint != self.node.fingerprint:
             raise FailedPrecondition(f"model spec {quote(fingerprint, 24)} differs from this "
                                      f"peer's {self.node.fingerprint}")
-        self.identity.check(sender.peer_id, sender.address, signature=signature)
+        self.identity.check(sender.peer_id, sender.address, public_key=sender.public_key,
+                            signature=signature, message=peer_message(
+                                "exchange", sender.peer_id, sender.address, sender.public_key,
+                                fingerprint))
         with self._lock:
             reply = self.node.shuffle_answer(sender, peers)
             mine = self.node.history_offer(self._rand)
@@ -414,8 +441,9 @@ class PeerRuntime(PeerHandler):
             return self.node.me(), reply, mine
 
     def check_header(self, header: PeerModelHeader) -> int:
+        # a signature covers the payload: checked in on_model, once the payload is in
         self.identity.check(header.sender.peer_id, header.sender.address,
-                            signature=header.signature)
+                            public_key=header.sender.public_key, signature=None)
         try:
             codec = create_codec(header.codec)
         except (UnknownCodecError, CodecError):
@@ -433,6 +461,14 @@ class PeerRuntime(PeerHandler):
         return codec.max_payload_bytes(self.spec.size) or 4 * self.spec.size + 4096
 
     def on_model(self, header: PeerModelHeader, payload: bytes | memoryview) -> tuple[bool, int]:
+        sender = header.sender
+        if sender.public_key:
+            self.identity.check(sender.peer_id, sender.address, public_key=sender.public_key,
+                                signature=header.signature, message=peer_message(
+                                    "push", sender.peer_id, sender.address, sender.public_key,
+                                    *_push_fields(header.message_id, header.round,
+                                                  header.num_examples, header.codec,
+                                                  header.spec_fingerprint, payload)))
         try:
             codec = create_codec(header.codec)
             if codec.needs_reference:  # seed mode: replay the step log on the round's base
@@ -504,8 +540,15 @@ class PeerRuntime(PeerHandler):
         with self._lock:
             return Health(self.peer_id, self.node.round, len(self.node.view), self._training)
 
-    def on_goodbye(self, sender: PeerInfo) -> None:
+    def on_goodbye(self, sender: PeerInfo, signature: bytes = b"") -> None:
         check_well_formed(sender.peer_id, sender.address)
+        if sender.public_key:  # a signed goodbye: only the key bound to the id may say it
+            self.identity.check(sender.peer_id, sender.address, public_key=sender.public_key,
+                                signature=signature, message=peer_message(
+                                    "goodbye", sender.peer_id, sender.address,
+                                    sender.public_key))
+        elif self.identity.key_of(sender.peer_id) is not None:
+            return  # an unsigned goodbye for a signing peer: ignored
         if self.identity.address_of(sender.peer_id) not in (None, sender.address):
             return  # only the bound address may say goodbye for an id
         with self._lock:

@@ -151,7 +151,8 @@ class PeerServicer:
     def Goodbye(self, request: pb.PeerExchange, context: grpc.ServicerContext) -> Any:
         try:
             _parsed(request)
-            self.handler.on_goodbye(serde.peer_info_from_proto(request.sender))
+            self.handler.on_goodbye(serde.peer_info_from_proto(request.sender),
+                                    request.signature)
         except GossipError as exc:
             _abort(context, exc)
         return pb.PeerPushReply()

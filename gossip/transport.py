@@ -66,7 +66,7 @@ class PeerHandler(ABC):
     def on_health(self) -> Health: ...
 
     @abstractmethod
-    def on_goodbye(self, sender: PeerInfo) -> None: ...
+    def on_goodbye(self, sender: PeerInfo, signature: bytes = b"") -> None: ...
 
 
 class PeerTransport(ABC):
@@ -79,7 +79,7 @@ class PeerTransport(ABC):
 
     @abstractmethod
     def exchange(self, address: str, me: PeerInfo, peers: Sequence[PeerInfo], fingerprint: str,
-                 history: Sequence[HistoryRecord] = ()
+                 history: Sequence[HistoryRecord] = (), *, signature: bytes = b""
                  ) -> tuple[PeerInfo, list[PeerInfo], list[HistoryRecord]]:
         """A view shuffle: (the partner's entry, entries of its view, its history records)."""
 
@@ -100,7 +100,7 @@ class PeerTransport(ABC):
     def health(self, address: str) -> Health: ...
 
     @abstractmethod
-    def goodbye(self, address: str, me: PeerInfo) -> None: ...
+    def goodbye(self, address: str, me: PeerInfo, *, signature: bytes = b"") -> None: ...
 
     @property
     def bytes_sent(self) -> int:
@@ -184,12 +184,12 @@ class GrpcPeerTransport(PeerTransport):
         return RemoteError(code.name if code else "UNKNOWN", details or "")
 
     def exchange(self, address: str, me: PeerInfo, peers: Sequence[PeerInfo], fingerprint: str,
-                 history: Sequence[HistoryRecord] = ()
+                 history: Sequence[HistoryRecord] = (), *, signature: bytes = b""
                  ) -> tuple[PeerInfo, list[PeerInfo], list[HistoryRecord]]:
         stub, _, _ = self._conn(address)
         req = pb.PeerExchange(sender=serde.peer_info_to_proto(me),
                               peers=[serde.peer_info_to_proto(p) for p in peers],
-                              spec_fingerprint=fingerprint,
+                              spec_fingerprint=fingerprint, signature=signature,
                               history=serde.history_to_proto(history))
         try:
             reply = stub.Exchange(req, timeout=self.timeout_s)
@@ -259,10 +259,11 @@ class GrpcPeerTransport(PeerTransport):
             raise self._wrap(exc) from None
         return Health(r.peer_id, r.round, r.view_size, r.training)
 
-    def goodbye(self, address: str, me: PeerInfo) -> None:
+    def goodbye(self, address: str, me: PeerInfo, *, signature: bytes = b"") -> None:
         stub, _, _ = self._conn(address)
         try:
-            stub.Goodbye(pb.PeerExchange(sender=serde.peer_info_to_proto(me)),
+            stub.Goodbye(pb.PeerExchange(sender=serde.peer_info_to_proto(me),
+                                         signature=signature),
                          timeout=min(self.timeout_s, 2.0))
         except grpc.RpcError as exc:
             raise self._wrap(exc) from None

@@ -44,6 +44,7 @@ __all__ = [
     "load_public_keys",
     "parse_public_key",
     "payload_digest",
+    "peer_message",
     "update_message",
     "verify",
 ]
@@ -55,6 +56,7 @@ CLIENT_ID_PREFIX = "n-"
 _JOIN_DOMAIN = b"murmura/join/v1"
 _UPDATE_DOMAIN = b"murmura/update/v1"
 _ID_DOMAIN = b"murmura/client-id/v1"
+_PEER_DOMAIN = b"murmura/peer/v1"
 
 
 class IdentityError(ValueError):
@@ -97,6 +99,14 @@ def update_message(*, session: str, update_id: str, base_version: int, round: in
     """What a node signs for one update (everything that decides how it counts)."""
     return _fields(_UPDATE_DOMAIN, session, update_id, base_version, round, num_examples, codec,
                    payload_sha256, spec_fingerprint)
+
+
+def peer_message(kind: str, peer_id: str, address: str, public_key: bytes,
+                 *parts: bytes | str | int) -> bytes:
+    """What a gossip peer signs: the message kind (``exchange``, ``push``, ``goodbye``), who
+    sends it from where with which key, and the fields that decide what the message does
+    (for a push: message id, round, examples, codec, spec and the payload's SHA-256)."""
+    return _fields(_PEER_DOMAIN, kind, peer_id, address, public_key, *parts)
 
 
 def payload_digest(payload: bytes | bytearray | memoryview) -> bytes:

@@ -38,8 +38,16 @@ class TaskSettings:
     codec_options: dict[str, str] = field(default_factory=dict)
     seed: int = 0
     zo_eps: float = 1e-3
+    #: Clients evaluate the global model they pull on their local test split once every this
+    #: many versions and report it with their next update (0: never; docs/apps.md).
+    client_eval_every: int = field(default=0, metadata={"help": (
+        "clients evaluate the global model on their local test split every N versions; the "
+        "weighted mean, min and max go into metrics.jsonl (default: 0, never)")})
 
     def __post_init__(self) -> None:
+        if self.client_eval_every < 0:
+            raise ValueError(f"client_eval_every must be >= 0 (0: never), got "
+                             f"{self.client_eval_every}")
         if not self.zo_eps > 0:
             raise ValueError(f"zo_eps must be positive, got {self.zo_eps}")
         if self.trainer not in ("sgd", "zo"):
@@ -130,6 +138,7 @@ class PeerInfo:
     address: str
     round: int = 0
     age: int = 0
+    public_key: bytes = b""  # a signing peer's Ed25519 key (first-hand messages are checked)
 
 
 @dataclass(frozen=True)

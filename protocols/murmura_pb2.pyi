@@ -47,7 +47,7 @@ class DeviceProfile(_message.Message):
     def __init__(self, device: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., cpu_count: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class TaskSettings(_message.Message):
-    __slots__ = ("trainer", "local_epochs", "local_steps", "batch_size", "lr", "momentum", "codec", "codec_options", "seed", "zo_eps")
+    __slots__ = ("trainer", "local_epochs", "local_steps", "batch_size", "lr", "momentum", "codec", "codec_options", "seed", "zo_eps", "client_eval_every")
     class CodecOptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class TaskSettings(_message.Message):
     CODEC_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     ZO_EPS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_EVAL_EVERY_FIELD_NUMBER: _ClassVar[int]
     trainer: str
     local_epochs: int
     local_steps: int
@@ -75,7 +76,8 @@ class TaskSettings(_message.Message):
     codec_options: _containers.ScalarMap[str, str]
     seed: int
     zo_eps: float
-    def __init__(self, trainer: _Optional[str] = ..., local_epochs: _Optional[int] = ..., local_steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., codec: _Optional[str] = ..., codec_options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., zo_eps: _Optional[float] = ...) -> None: ...
+    client_eval_every: int
+    def __init__(self, trainer: _Optional[str] = ..., local_epochs: _Optional[int] = ..., local_steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., codec: _Optional[str] = ..., codec_options: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., zo_eps: _Optional[float] = ..., client_eval_every: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("client_id", "profile", "token", "protocol_version", "public_key", "nonce", "signature")
@@ -253,16 +255,18 @@ class LeaveReply(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("peer_id", "address", "round", "age")
+    __slots__ = ("peer_id", "address", "round", "age", "public_key")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     AGE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     address: str
     round: int
     age: int
-    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., round: _Optional[int] = ..., age: _Optional[int] = ...) -> None: ...
+    public_key: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., round: _Optional[int] = ..., age: _Optional[int] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class PeerExchange(_message.Message):
     __slots__ = ("sender", "peers", "spec_fingerprint", "signature", "history")

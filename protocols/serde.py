@@ -52,7 +52,7 @@ def settings_to_proto(s: TaskSettings) -> pb.TaskSettings:
                            local_steps=s.local_steps, batch_size=s.batch_size, lr=s.lr,
                            momentum=s.momentum, codec=s.codec,
                            codec_options=dict(s.codec_options), seed=s.seed,
-                           zo_eps=s.zo_eps)
+                           zo_eps=s.zo_eps, client_eval_every=s.client_eval_every)
 
 
 def settings_from_proto(m: pb.TaskSettings) -> TaskSettings:
@@ -60,7 +60,8 @@ def settings_from_proto(m: pb.TaskSettings) -> TaskSettings:
                         local_steps=m.local_steps, batch_size=m.batch_size, lr=m.lr,
                         momentum=m.momentum, codec=m.codec,
                         codec_options=dict(m.codec_options), seed=m.seed,
-                        zo_eps=m.zo_eps or 1e-3)
+                        zo_eps=m.zo_eps or 1e-3,
+                        client_eval_every=max(m.client_eval_every, 0))
 
 
 def task_to_proto(t: Task) -> pb.TaskReply:
@@ -243,11 +244,13 @@ def iter_model_items(version: int, spec: ModelSpec | None, codec: str,
 # -- gossip mode ------------------------------------------------------------------------------
 
 def peer_info_to_proto(p: PeerInfo) -> pb.PeerInfo:
-    return pb.PeerInfo(peer_id=p.peer_id, address=p.address, round=p.round, age=p.age)
+    return pb.PeerInfo(peer_id=p.peer_id, address=p.address, round=p.round, age=p.age,
+                       public_key=p.public_key)
 
 
 def peer_info_from_proto(m: pb.PeerInfo) -> PeerInfo:
-    return PeerInfo(peer_id=m.peer_id, address=m.address, round=m.round, age=m.age)
+    return PeerInfo(peer_id=m.peer_id, address=m.address, round=m.round, age=m.age,
+                    public_key=bytes(m.public_key))
 
 
 def history_to_proto(records: Sequence[tuple[str, int, Any]]) -> list[pb.HistoryRecord]:

@@ -50,7 +50,8 @@ def build_core(config: ServerConfig, task_config: TaskConfig, *, out_dir: str | 
     task = task if task is not None else load_task(task_config)
     model = task.build_model(seed=config.seed)
     spec = ModelSpec.from_module(model)
-    evaluator = evaluator_for(task.model_factory, spec, task.test) if evaluate else None
+    evaluator = (evaluator_for(task.model_factory, spec, task.test, task.evaluate)
+                 if evaluate and task.test is not None else None)
     return assemble_core(config, spec, spec.flatten(model), out_dir=out_dir, resume=resume,
                          evaluator=evaluator, clock=clock, checkpoint=checkpoint,
                          fresh_metrics=fresh_metrics, durable=durable, run_config={

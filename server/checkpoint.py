@@ -12,6 +12,7 @@ import io
 import json
 import os
 import tempfile
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             opt = {k[4:]: np.asarray(z[k], dtype=np.float32) for k in z.files
                    if k.startswith("opt.")}
             extra = {k[2:]: np.asarray(z[k]) for k in z.files if k.startswith("x.")}
-    except (OSError, KeyError, ValueError) as exc:
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        # a truncated or corrupted file lands here too (zip errors, short reads)
         raise ValueError(f"{path} is not a readable Murmura checkpoint: {exc}") from exc
     if header.get("format") != FORMAT:
         raise ValueError(f"{path}: checkpoint format {header.get('format')} is not {FORMAT}")

@@ -48,6 +48,7 @@ from murmura.protocols.identity import (
 )
 from murmura.protocols.pool import seed_pool_for
 from murmura.server.checkpoint import Checkpoint, save_checkpoint
+from murmura.server.client_eval import ClientEvals, report_from_metrics
 from murmura.server.config import ServerConfig
 from murmura.server.decoding import PARTIAL_CODEC, Decoded, Decoder, check_range
 from murmura.server.errors import (
@@ -220,6 +221,8 @@ class AggregatorCore:
         self.done = self.version >= config.max_versions
         self.t0 = clock() - elapsed  # time_s continues where the last run left it
         self.last_metrics: dict[str, Any] = {}
+        #: Clients' evaluation reports waiting for the next metrics row (server/client_eval.py).
+        self.client_evals = ClientEvals()
         self._listeners: list[Callable[[], None]] = []
         #: Runs folds and publishing in order; a server gives it a thread (see publisher.py).
         self.publisher = Publisher(threaded=False)
@@ -759,10 +762,15 @@ class AggregatorCore:
                                                        spooled))
                 self._committing[key] = fut
                 fut.add_done_callback(lambda _: self._committing.pop(key, None))
+            report = report_from_metrics(rec.client_id, header.metrics)
+            if report is not None:  # before accept: it may publish the version with it
+                self.client_evals.add(report)
             try:
                 self.policy.accept(rec, header, decoded, staleness, release)
                 taken = True
             except BaseException:
+                if report is not None:
+                    self.client_evals.discard(report)
                 self.traffic.updates -= 1
                 self.fold_mass -= mass
                 if seq:
@@ -845,6 +853,7 @@ class AggregatorCore:
         self.fold_mass = 0.0  # later folds go into the next aggregate (the publisher is FIFO)
         if self.forward is not None:
             forward = self.forward
+            self.client_evals.flush()  # a leaf writes no rows; its parent's clients report
             self.publisher.submit(lambda: forward(aggregator, updates))
             return
         row: dict[str, Any] = {
@@ -857,6 +866,7 @@ class AggregatorCore:
             "clients": len(self.sessions),
             "refused": dict(sorted(self.traffic.refused.items())),  # by gRPC status
         }
+        row.update(self.client_evals.flush())
         if self.row_extras is not None:
             row.update(self.row_extras())
         seqs, self._batch = self._batch, []
@@ -1022,15 +1032,18 @@ def _log_fold_error(fut: Any) -> None:
         log.error("folding an update failed; it is not in the aggregate", exc_info=exc)
 
 
-def evaluator_for(model_factory: Callable[[], Any], spec: ModelSpec, data: Any) -> Evaluator:
-    """An evaluator that loads the global vector into one model and measures it on ``data``."""
+def evaluator_for(model_factory: Callable[[], Any], spec: ModelSpec, data: Any,
+                  measure: Callable[[Any, Any], dict[str, float]] | None = None) -> Evaluator:
+    """An evaluator that loads the global vector into one model and measures it on ``data``
+    (with ``measure(model, data)``, an app's own evaluate; default accuracy and loss)."""
     from murmura.tasks import evaluate
 
     model = model_factory()
+    measure = measure or evaluate
 
     def run(params: FlatVector) -> dict[str, float]:
         spec.load_into(model, params)
-        return evaluate(model, data)
+        return measure(model, data)
 
     return run
 

@@ -149,7 +149,8 @@ class Leaf:
     def _parent_settings(self) -> TaskSettings:
         # Joined under the leaf's own id and not left: the link's join takes the identity over,
         # so no second identity ever sits in one of the parent's cohorts.
-        transport = self._upstream(timeout_s=self.connect_timeout_s)
+        transport = self._upstream(timeout_s=self.connect_timeout_s,
+                                   connect_timeout_s=self.connect_timeout_s)
         try:
             result, _ = transport.join_as(self.identity, DeviceProfile(device="leaf"),
                                           self.config.join_token)

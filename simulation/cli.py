@@ -17,9 +17,9 @@ from murmura.config import add_arguments, build, read_toml
 from murmura.gossip import GossipConfig
 from murmura.progress import Progress
 from murmura.server import ServerConfig
-from murmura.simulation.api import simulate
+from murmura.simulation.api import prepare_server, simulate
 from murmura.simulation.config import SimulationConfig
-from murmura.simulation.engine import SimulationResult
+from murmura.simulation.engine import Simulation, SimulationResult
 from murmura.tasks import TaskConfig
 
 DESCRIPTION = (
@@ -35,8 +35,11 @@ def add_parser(subparsers: Any) -> None:
                               description=DESCRIPTION)
     p.add_argument("--config", help="TOML file with [task], [server], [simulation] tables "
                    "(murmura run's file works as it is)")
-    p.add_argument("-v", "--verbose", action="count", default=0)
-    p.add_argument("-q", "--quiet", action="count", default=0)
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="more log output (repeat for more: -vv)")
+    p.add_argument("-q", "--quiet", action="count", default=0,
+                   help="less output: no start-up or progress lines, only warnings and the "
+                   "result")
     add_arguments(p, SimulationConfig, title="simulation")
     add_arguments(p, TaskConfig, title="task")
     add_arguments(p, ServerConfig, title="server", skip=("address",))
@@ -75,15 +78,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     task, server, sim, given_min = load_configs(toml, args)
     if sim.gossip:
         return _simulate_gossip(task, sim, toml, args)
-    print(f"murmura simulate: {sim.clients} virtual clients, mode={server.mode}, "
-          f"task={task.task}, codec={server.train.codec}, speed spread {sim.speed_spread:g}x, "
-          f"availability={sim.availability}, out={sim.out}", file=sys.stderr)
-    progress = Progress(server.max_versions)
+    quiet = args.quiet > 0
+    if not quiet:
+        print(f"murmura simulate: {sim.clients} virtual clients, mode={server.mode}, "
+              f"task={task.app or task.task}, codec={server.train.codec}, speed spread "
+              f"{sim.speed_spread:g}x, availability={sim.availability}, out={sim.out}",
+              file=sys.stderr)
+    progress = Progress(server.max_versions, quiet=quiet)
+    engine = Simulation(task, prepare_server(server, sim, wait_for_all_clients=not given_min),
+                        sim, progress=progress.update)
+    interrupted = False
     try:
-        result = simulate(task, server, sim, wait_for_all_clients=not given_min,
-                          progress=progress.update)
+        engine.advance()
+    except KeyboardInterrupt:  # Ctrl-C: summarise and plot what ran
+        interrupted = True
     finally:
         progress.close()
+    result = engine.finish()
+    if interrupted:
+        print(f"interrupted at version {result.version} ({result.virtual_s:.1f} virtual s)",
+              file=sys.stderr)
     s, stats = result.summary, result.summary["simulation"]
     acc = s.get("final_accuracy")
     print(f"execution: {stats['execution']}")
@@ -97,6 +111,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     plots = "accuracy.png" + (", staleness.png" if (Path(sim.out) / "staleness.png").exists()
                               else "")
     print(f"results: {sim.out}/metrics.jsonl, {sim.out}/summary.json, {sim.out}/{{{plots}}}")
+    if interrupted:
+        return 130
     if not stats["done"]:
         reason = ("max_time_s reached" if sim.max_time_s and result.virtual_s >= sim.max_time_s
                   else "no client could make progress")
@@ -115,7 +131,7 @@ def _simulate_gossip(task: TaskConfig, sim: SimulationConfig, toml: dict[str, An
     print(f"murmura simulate --gossip: {sim.clients} virtual peers, topology "
           f"{gossip.topology}, {gossip.rounds} rounds, task={task.task}, out={sim.out}",
           file=sys.stderr)
-    progress = Progress(gossip.rounds)
+    progress = Progress(gossip.rounds, quiet=args.quiet > 0)
     try:
         result = GossipSimulation(task, gossip, sim, failures=failures,
                                   progress=progress.update).run()

@@ -31,7 +31,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -365,6 +365,22 @@ class GossipSimulation:
                  / d.uplink_bytes_per_s[i] + 2 * d.latency_s[i] for i in peers]
         return float(max(times, default=0.0))
 
+    def _deliveries(self, live: list[int], on: np.ndarray, round_: int,
+                    sends: dict[int, int]) -> Iterator[tuple[int, int, PeerInfo]]:
+        """(sender, receiver, the sender's entry) for each send of ``round_`` to an online
+        peer; every send is counted in ``sends``, and a sender drops an offline target from
+        its view, as a deployed peer does when a push fails."""
+        for i in live:
+            node = self.nodes[i]
+            me = node.me()
+            for t in node.targets(round_):
+                j = self.index[t]
+                sends[i] = sends.get(i, 0) + 1
+                if not on[j]:
+                    node.mark_dead(t, f"sim:{j}")
+                    continue
+                yield i, j, me
+
     def _seed_round(self, round_: int, on: np.ndarray) -> tuple[int, int, float]:
         """Seed mode: each online peer trains zeroth-order from its own model and sends its
         step log; each receiver replays the log on the model it started the round from and
@@ -387,23 +403,14 @@ class GossipSimulation:
             node.model = result.params
             logs[i] = (result.encoded[1], result.num_examples)
         sends: dict[int, int] = {}
+        for i, j, me in self._deliveries(live, on, round_, sends):
+            update = codec.decode(logs[i][0], self.spec.size,
+                                  reference=self.nodes[j].base(round_))
+            self.nodes[j].receive(me.peer_id, round_, "", update, logs[i][1],
+                                  payload=logs[i][0])
+            self.nodes[j].heard_from(me)
         push = {i: self.wire_bytes(len(logs[i][0])) for i in live}
-        sent_bytes = 0
-        for i in live:
-            node = self.nodes[i]
-            me = node.me()
-            for t in node.targets(round_):
-                j = self.index[t]
-                sends[i] = sends.get(i, 0) + 1
-                sent_bytes += push[i]
-                if not on[j]:
-                    node.mark_dead(t, f"sim:{j}")
-                    continue
-                update = codec.decode(logs[i][0], self.spec.size,
-                                      reference=self.nodes[j].base(round_))
-                self.nodes[j].receive(me.peer_id, round_, "", update, logs[i][1],
-                                      payload=logs[i][0])
-                self.nodes[j].heard_from(me)
+        sent_bytes = sum(n * push[i] for i, n in sends.items())
         for i in live:
             node = self.nodes[i]
             node.mix()
@@ -420,17 +427,9 @@ class GossipSimulation:
         for i in live:
             self.nodes[i].model = trained[i][0]
         sends: dict[int, int] = {}
-        for i in live:
-            node = self.nodes[i]
-            me = node.me()
-            for t in node.targets(round_):
-                j = self.index[t]
-                sends[i] = sends.get(i, 0) + 1
-                if not on[j]:
-                    node.mark_dead(t, f"sim:{j}")
-                    continue
-                self.nodes[j].receive(me.peer_id, round_, "", trained[i][0], trained[i][1])
-                self.nodes[j].heard_from(me)
+        for i, j, me in self._deliveries(live, on, round_, sends):
+            self.nodes[j].receive(me.peer_id, round_, "", trained[i][0], trained[i][1])
+            self.nodes[j].heard_from(me)
         for i in live:
             node = self.nodes[i]
             if i not in self.sybil_set:

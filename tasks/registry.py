@@ -27,8 +27,15 @@ class TaskConfig:
     partition: str = "dirichlet"
     alpha: float = 0.5
     data_seed: int = 0
+    app: str = field(default="", metadata={"help": (
+        "an app FILE.py giving the model, each client's data, and optionally train, evaluate "
+        "and aggregation rules; replaces --task and --model (docs/apps.md)")})
 
     def __post_init__(self) -> None:
+        if self.app:  # import it now: a bad app fails before anything starts
+            from murmura.tasks.app import load_app
+
+            load_app(self.app)
         if self.task not in TASKS:
             raise ValueError(f"unknown task {self.task!r}; available: {', '.join(sorted(TASKS))}")
         if self.model not in MODELS:
@@ -59,6 +66,13 @@ class Task:
             raise ValueError(f"client index {index} is outside 0..{num_clients - 1}")
         return self.train.subset(self.shares(num_clients)[index])
 
+    def client_test_data(self, index: int, num_clients: int) -> ArrayDataset | None:
+        """A client's own local test split; bundled tasks have none (one is held out)."""
+        return None
+
+    def evaluate(self, model: nn.Module, data: ArrayDataset) -> dict[str, float]:
+        return _models.evaluate(model, data)
+
     def shares(self, num_clients: int) -> list:
         if self._shares is None or len(self._shares) != num_clients:
             self._shares = partition(self.train.y, num_clients, scheme=self.config.partition,
@@ -83,6 +97,11 @@ MODELS = ("mlp", "logreg")
 
 
 def load_task(cfg: TaskConfig) -> Task:
+    """The task ``cfg`` names: its app file if it gives one, else a bundled task."""
+    if cfg.app:
+        from murmura.tasks.app import AppTask, load_app
+
+        return AppTask(cfg, load_app(cfg.app))
     train, test = TASKS[cfg.task](cfg)
     features, classes = train.x.shape[1], max(train.num_classes, test.num_classes)
     factory: Callable[[], nn.Module] = (

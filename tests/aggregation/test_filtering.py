@@ -125,3 +125,17 @@ def test_flame_noise_is_seeded_and_scaled_by_the_bound() -> None:
 def test_bad_filter_options_are_refused(name, options) -> None:
     with pytest.raises(AggregationError):
         create_aggregator(name, 10, **options)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 8), st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**16))
+def test_dnc_keeps_at_least_one_row_however_much_it_drops(n, f, iterations, seed) -> None:
+    # many draws each dropping most rows used to leave the kept set empty: a NaN aggregate
+    x = np.random.default_rng(seed).normal(size=(n, 30))
+    keep = dnc_outliers(x, f=f, iterations=iterations, subsample=7,
+                        rng=np.random.default_rng(seed))
+    assert keep.any()
+    agg = create_aggregator("dnc", 30, f=f, iterations=iterations, subsample=7, seed=seed)
+    for row in x:
+        agg.add(row.astype(np.float32), 1.0)
+    assert np.isfinite(agg.result()).all()

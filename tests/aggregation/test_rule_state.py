@@ -32,6 +32,8 @@ def feed(agg, rows: np.ndarray) -> np.ndarray:
     ("centered-clip", {"tau_scale": 0.3}),
     ("sybil", {"dim": 16}),
     ("default", {"dim": 16}),
+    ("flame", {"noise": 0.05, "dim": 0}),   # its noise generator
+    ("dnc", {"subsample": 8, "f": 2}),      # its coordinate subsets
 ])
 def test_a_rule_rebuilt_from_its_state_continues_identically(name, options) -> None:
     first, *rest = buffers(1)
@@ -74,3 +76,11 @@ def test_stateless_rules_have_empty_state_and_refuse_foreign_state() -> None:
     clip = create_aggregator("centered-clip", SIZE)
     with pytest.raises(AggregationError, match="centre"):
         clip.load_state_dict({"centre": np.zeros(3, np.float32)})
+
+
+def test_a_generator_state_must_be_six_words() -> None:
+    agg = create_aggregator("flame", SIZE, noise=0.1)
+    with pytest.raises(AggregationError, match="six uint64"):
+        agg.load_state_dict({"rng": np.zeros(3, np.uint64)})
+    with pytest.raises(AggregationError, match=r"generator \('rng'\) only"):
+        agg.load_state_dict({"centre": np.zeros(6, np.uint64)})

@@ -127,7 +127,11 @@ def test_run_in_process_resumes_nothing_and_writes_outputs(tmp_path, capsys) -> 
     code = main(["run", "--in-process", "--clients", "2", "--max-versions", "2",
                  "--local-epochs", "1", "--out", str(out), "-q"])
     assert code == 0
-    assert "final test accuracy" in capsys.readouterr().out
+    quiet = capsys.readouterr()
+    assert "final test accuracy" in quiet.out
+    # -q: no banner, start-up or progress lines, no line per client; the result and the files
+    assert quiet.err.strip() == "", quiet.err
+    assert len(quiet.out.splitlines()) == 2, quiet.out
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     assert Path(out / "checkpoint.npz").exists()
 

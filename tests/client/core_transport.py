@@ -54,3 +54,15 @@ class CoreTransport(Transport):
     def pull_pool_scalars(self, session):
         version, base_version, scalars = self._call(self.core.pool_scalars, session)
         return version, base_version, scalars.copy()
+
+
+def drive(core: AggregatorCore, runtimes: list) -> None:
+    """Synchronous rounds from one thread until the run is done (each runtime joins, then
+    trains whenever the core gives it a task)."""
+    for rt in runtimes:
+        rt._call(rt._join)
+    while not core.done:
+        for rt in runtimes:
+            task = core.task(rt.session)
+            if task.action.name == "TRAIN":
+                rt.step(task.round, task.seed)

@@ -16,7 +16,7 @@ from murmura.client import (
     encoder_seed,
     make_encoder,
 )
-from murmura.client.rules import UPDATE_ID_LENGTH
+from murmura.client.rules import UPDATE_ID_LENGTH, run_is_over
 from murmura.client.transport import RETRYABLE
 from murmura.protocols import TaskSettings, UnknownCodecError
 from tests.client.core_transport import CoreTransport
@@ -119,3 +119,21 @@ def test_the_runtime_encodes_with_make_encoder() -> None:
     assert header.codec == "proj"
     assert payload == make_encoder(settings, trainer.spec.size, "c1").encode(update)
     assert payload != make_encoder(settings, trainer.spec.size, "c2").encode(update)
+
+
+def test_an_update_refused_because_the_run_is_over_is_no_warning(caplog) -> None:
+    # Prepare: a joined client, then the run ends (an async run's last updates arrive late)
+    trainer = linear_trainer()
+    core = core_for(trainer, mode="async", buffer_size=1, max_versions=3, min_clients=1)
+    runtime = ClientRuntime(CoreTransport(core), trainer, client_id="c1", wait_s=0)
+    runtime._call(runtime._join)
+    core.stop()
+    # Execute: its update arrives after the end
+    with caplog.at_level("INFO", logger="murmura.client.runtime"):
+        runtime.step(1, seed=1)
+    # Assert: refused and counted, logged at INFO only, and the rule says why
+    assert runtime.stats.refused == 1 and runtime.stats.refusals == ["FAILED_PRECONDITION"]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "the run is over" in caplog.text
+    assert run_is_over("FAILED_PRECONDITION", core._finished_message())
+    assert not run_is_over("FAILED_PRECONDITION", "base version 7 is in the future")

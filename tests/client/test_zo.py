@@ -15,7 +15,7 @@ from murmura.protocols import ModelSpec, TaskSettings, create_codec
 from murmura.protocols.codecs.seed import SeedCodec, replay
 from murmura.server import AggregatorCore, ServerConfig
 from murmura.tasks import ArrayDataset, evaluate
-from tests.client.core_transport import CoreTransport
+from tests.client.core_transport import CoreTransport, drive
 
 RecordingTransport = CoreTransport
 
@@ -119,13 +119,7 @@ def test_federated_zo_on_digits_beats_the_initial_model(digits) -> None:
                               client_id=f"client-{i}", wait_s=0) for i in range(4)]
 
     # Execute: drive the rounds from one thread
-    for rt in runtimes:
-        rt._call(rt._join)
-    while not core.done:
-        for rt in runtimes:
-            task = core.task(rt.session)
-            if task.action.name == "TRAIN":
-                rt.step(task.round, task.seed)
+    drive(core, runtimes)
 
     # Assert
     spec.load_into(model, core.params)
@@ -220,13 +214,7 @@ def test_a_client_too_small_for_backprop_trains_zeroth_order_under_an_sgd_server
                 for i, t in enumerate(trainers)]
 
     # Execute
-    for rt in runtimes:
-        rt._call(rt._join)
-    while not core.done:
-        for rt in runtimes:
-            task = core.task(rt.session)
-            if task.action.name == "TRAIN":
-                rt.step(task.round, task.seed)
+    drive(core, runtimes)
 
     # Assert: every update was taken, in the server's codec; the fallback is deterministic
     assert core.version == 4

@@ -25,43 +25,40 @@ def test_three_real_peers_match_the_simulation_bit_for_bit(one_torch_thread) -> 
     sim = GossipSimulation(task, cfg, SimulationConfig(clients=3, executor="loop"),
                            out_dir=None).run()
 
-    peers = [build_peer(PeerConfig(client_index=0, num_clients=3), task, cfg)]
-    try:
-        first = peers[0].start()
-        for i in (1, 2):
-            peers.append(build_peer(PeerConfig(client_index=i, num_clients=3, bootstrap=first),
-                                    task, cfg))
-            peers[-1].start()
-        threads = [threading.Thread(target=p.run) for p in peers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads)
-    finally:
-        for p in peers:
-            p.stop()
+    peers = _run_peers(cfg, 3)
 
     for i, peer in enumerate(peers):
         assert peer.stats.mixed == 6  # both neighbours, every round
         np.testing.assert_array_equal(peer.node.model, sim.models[i])
 
 
-def _run_peers(cfg: GossipConfig, n: int) -> list:  # noqa: ANN001
+def _start_peers(cfg: GossipConfig, n: int, peers: list) -> str:  # noqa: ANN001
+    """Start ``n`` in-process peers (into ``peers``, for the caller to stop); peer 0's
+    address, the others' bootstrap."""
     task = TaskConfig()
-    peers = [build_peer(PeerConfig(client_index=0, num_clients=n), task, cfg)]
+    peers.append(build_peer(PeerConfig(client_index=0, num_clients=n), task, cfg))
+    first = peers[0].start()
+    for i in range(1, n):
+        peers.append(build_peer(PeerConfig(client_index=i, num_clients=n, bootstrap=first),
+                                task, cfg))
+        peers[-1].start()
+    return first
+
+
+def _in_threads(peers: list, target) -> None:  # noqa: ANN001
+    threads = [threading.Thread(target=target, args=(p,)) for p in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+
+
+def _run_peers(cfg: GossipConfig, n: int) -> list:  # noqa: ANN001
+    peers: list = []
     try:
-        first = peers[0].start()
-        for i in range(1, n):
-            peers.append(build_peer(PeerConfig(client_index=i, num_clients=n, bootstrap=first),
-                                    task, cfg))
-            peers[-1].start()
-        threads = [threading.Thread(target=p.run) for p in peers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads)
+        _start_peers(cfg, n, peers)
+        _in_threads(peers, lambda p: p.run())
     finally:
         for p in peers:
             p.stop()
@@ -91,30 +88,19 @@ def test_a_late_seed_mode_peer_catches_up_from_step_logs_alone(one_torch_thread)
     # rebuilds their model from the run's starting model (which it holds) plus the step logs
     cfg = GossipConfig(rounds=10, topology="k-regular", degree=2, min_peers=3, seed_mode=True,
                        local_steps=20, lr=0.02, round_timeout_s=30.0)
-    task = TaskConfig()
-    peers = [build_peer(PeerConfig(client_index=0, num_clients=3), task, cfg)]
+    peers: list = []
     late = None
     try:
-        first = peers[0].start()
-        for i in (1, 2):
-            peers.append(build_peer(PeerConfig(client_index=i, num_clients=3, bootstrap=first),
-                                    task, cfg))
-            peers[-1].start()
+        first = _start_peers(cfg, 3, peers)
 
         def three_rounds(p) -> None:  # noqa: ANN001
             p._await_peers()
             for _ in range(3):
                 p.step()
 
-        threads = [threading.Thread(target=three_rounds, args=(p,)) for p in peers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads)
-
+        _in_threads(peers, three_rounds)
         late = build_peer(PeerConfig(client_index=0, num_clients=3, peer_id="late",
-                                     bootstrap=first, catch_up=True), task, cfg)
+                                     bootstrap=first, catch_up=True), TaskConfig(), cfg)
         late.start()  # joins, then catches up
 
         assert late.node.round == 3

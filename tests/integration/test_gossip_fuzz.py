@@ -223,7 +223,11 @@ ids = st.one_of(texts, st.sampled_from(["fuzzed", "peer-1", "peer-2", "x" * 129,
 addresses = st.one_of(st.sampled_from([*DEAD, "", "nocolon", ":", "127.0.0.1:" + "9" * 300]),
                       texts)
 mutation = st.tuples(st.integers(min_value=0), st.integers(0, 255))
-peer_infos = st.builds(pb.PeerInfo, peer_id=ids, address=addresses, round=ints, age=ints)
+# public_key: empty (an unsigned peer), 32 random bytes (an Ed25519 key that signed nothing
+# here), or junk of other sizes
+peer_infos = st.builds(pb.PeerInfo, peer_id=ids, address=addresses, round=ints, age=ints,
+                       public_key=st.one_of(st.just(b""), st.binary(min_size=32, max_size=32),
+                                            st.binary(max_size=40)))
 # Sketches: the right size (finite, or poisoned) and wrong sizes.
 SKETCHES = [np.zeros(512).tolist(), np.full(512, 0.5).tolist(), [math.nan] * 512,
             [math.inf] * 512, [1.0] * 511, [1.0] * 513]

@@ -17,6 +17,7 @@ import pytest
 
 from murmura.gossip import GossipConfig, PeerConfig
 from murmura.gossip.process import peer_process
+from murmura.protocols.identity import NodeKey
 from murmura.tasks import TaskConfig, load_task
 from murmura.tasks.models import evaluate
 
@@ -39,8 +40,12 @@ class Peers:
 
     def start(self, index: int, n: int, gossip: GossipConfig, bootstrap: str = "", *,
               catch_up: bool = False) -> str:
+        # one key file per peer: a restarted peer keeps its id by keeping its key
+        key = self.report / f"peer-{index}.key"
+        if not key.exists():
+            NodeKey.generate().save(key)
         cfg = PeerConfig(client_index=index, num_clients=n, bootstrap=bootstrap, threads=1,
-                         report=str(self.report), catch_up=catch_up)
+                         report=str(self.report), catch_up=catch_up, key=str(key))
         p = self.ctx.Process(target=peer_process, args=(cfg, TASK, gossip, self.events))
         p.start()
         self.procs[cfg.identity()] = p

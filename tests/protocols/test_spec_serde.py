@@ -60,7 +60,7 @@ def test_serde_pairs_round_trip(tiny_model) -> None:
     prof = DeviceProfile("cuda", "H100", 80 << 30, 12.5, 16, {"k": "v"})
     assert serde.profile_from_proto(serde.profile_to_proto(prof)) == prof
     s = TaskSettings(trainer="zo", local_steps=5, codec="dense-f16", codec_options={"a": "1"},
-                     seed=7)
+                     seed=7, client_eval_every=4)
     assert serde.settings_from_proto(serde.settings_to_proto(s)) == s
     t = Task(Action.TRAIN, version=3, round=2, retry_after_s=0.5, seed=99)
     assert serde.task_from_proto(serde.task_to_proto(t)) == t
@@ -94,6 +94,8 @@ def test_task_settings_validate() -> None:
         TaskSettings(lr=0)
     with pytest.raises(ValueError, match="local_epochs or local_steps"):
         TaskSettings(local_epochs=0, local_steps=0)
+    with pytest.raises(ValueError, match="client_eval_every must be >= 0"):
+        TaskSettings(client_eval_every=-1)
 
 
 @pytest.mark.parametrize("n", [0, 1, 127, 128, 70_000, 1 << 20])

@@ -17,7 +17,7 @@ from murmura.protocols.pool import seed_pool_for
 from murmura.server import AggregatorCore, ServerConfig, ServiceError
 from murmura.server.checkpoint import load_checkpoint
 from murmura.tasks import evaluate
-from tests.client.core_transport import CoreTransport
+from tests.client.core_transport import CoreTransport, drive
 
 K = 64
 
@@ -51,17 +51,6 @@ def runtimes_for(core: AggregatorCore, digits, n: int, *, first: int = 0) -> lis
                           ZOTrainer(digits.build_model(), digits.client_data(i, 4), device="cpu",
                                     return_params=False),
                           client_id=f"client-{i}", wait_s=0) for i in range(first, first + n)]
-
-
-def drive(core: AggregatorCore, runtimes: list[ClientRuntime]) -> None:
-    """Synchronous rounds from one thread until the run is done."""
-    for rt in runtimes:
-        rt._call(rt._join)
-    while not core.done:
-        for rt in runtimes:
-            task = core.task(rt.session)
-            if task.action.name == "TRAIN":
-                rt.step(task.round, task.seed)
 
 
 def test_pool_run_learns_and_its_model_is_the_base_plus_k_scalars(digits) -> None:
