@@ -198,7 +198,8 @@ def target(request: pytest.FixtureRequest) -> Iterator[Target]:
                 t.rt.node.view.remove(peer)
         before = t.rt.node.model.copy()
         report = t.rt.step()
-        assert report.round == r and report.mixed >= 1 and t.rt.node.round == r + 1
+        # (a round may jump ahead: models of later rounds pull a peer to the newest mixed)
+        assert report.round == r and report.mixed >= 1 and t.rt.node.round > r
         assert sender not in t.rt.node.inbox
         assert not np.array_equal(t.rt.node.model, before)
         assert np.isfinite(t.rt.node.model).all()
