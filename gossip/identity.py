@@ -25,9 +25,26 @@ from murmura.protocols.identity import PUBLIC_KEY_BYTES, verify
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AddressBinding"]
+__all__ = ["AddressBinding", "check_well_formed", "well_formed"]
 
 MAX_ID_CHARS = 128
+MAX_ADDRESS_CHARS = 256
+
+
+def well_formed(peer_id: str, address: str) -> bool:
+    """Whether an id and address could be a peer's: a printable id of 1..128 characters and
+    a HOST:PORT address of at most 256."""
+    return (0 < len(peer_id) <= MAX_ID_CHARS and peer_id.isprintable()
+            and 0 < len(address) <= MAX_ADDRESS_CHARS and ":" in address)
+
+
+def check_well_formed(peer_id: str, address: str) -> None:
+    """:func:`well_formed`, as a refusal that says which part is wrong."""
+    if not peer_id or len(peer_id) > MAX_ID_CHARS or not peer_id.isprintable():
+        raise InvalidArgument(f"peer id must be 1..{MAX_ID_CHARS} printable characters, "
+                              f"got {quote(peer_id)}")
+    if not address or ":" not in address or len(address) > MAX_ADDRESS_CHARS:
+        raise InvalidArgument(f"peer address must be HOST:PORT, got {quote(address)}")
 
 
 class AddressBinding:
@@ -52,11 +69,7 @@ class AddressBinding:
         payload it signs): only the id, address and key binding are checked and nothing is
         bound; :meth:`check` again with the signature once the payload is in.
         """
-        if not peer_id or len(peer_id) > MAX_ID_CHARS or not peer_id.isprintable():
-            raise InvalidArgument(f"peer id must be 1..{MAX_ID_CHARS} printable characters, "
-                                  f"got {quote(peer_id)}")
-        if not address or ":" not in address or len(address) > 256:
-            raise InvalidArgument(f"peer address must be HOST:PORT, got {quote(address)}")
+        check_well_formed(peer_id, address)
         if peer_id == self.owner:
             raise PermissionDenied(f"a peer at {quote(address)} claims this peer's own id")
         if public_key:

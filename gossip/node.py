@@ -19,6 +19,7 @@ import numpy as np
 from murmura.aggregation import SybilWeighting
 from murmura.gossip.config import GossipConfig
 from murmura.gossip.errors import Aborted, FailedPrecondition, InvalidArgument, quote
+from murmura.gossip.identity import well_formed
 from murmura.gossip.journal import StepJournal, mean_step
 from murmura.gossip.mixing import mix, parse_options
 from murmura.gossip.topology import expected_senders, stable_hash, targets
@@ -32,6 +33,8 @@ __all__ = ["PeerNode", "Received", "training_seed"]
 
 #: Message ids remembered for deduplication (a retried push is taken once).
 SEEN_IDS = 4096
+#: Departed peers remembered (so second-hand entries do not bring them back).
+MAX_DEAD = 4096
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,8 @@ class PeerNode:
         # sender -> round -> model: a neighbour that runs ahead may send its next round's model
         # before this peer has mixed the current one; it is kept for that round
         self.inbox: dict[str, dict[int, Received]] = {}
-        self.dead: dict[str, str] = {}  # peer id -> address found unreachable
+        # peer id -> address found unreachable (or that said goodbye), the newest MAX_DEAD
+        self.dead: OrderedDict[str, str] = OrderedDict()
         self.newest = 0  # the highest round of any model mixed in
         # seed mode: the model each recent round started from (replay references), and this
         # peer's own update of the current round
@@ -90,11 +94,15 @@ class PeerNode:
         return self.view.ids()
 
     def merge(self, entries: Sequence[PeerInfo]) -> None:
-        """Merge entries heard second-hand, except those of peers found dead at that address."""
-        self.view.merge([e for e in entries if self.dead.get(e.peer_id) != e.address])
+        """Merge entries heard second-hand, except those of peers found dead at that address
+        and malformed ones (a shuffle partner's junk must not spread through the views)."""
+        self.view.merge([e for e in entries if self.dead.get(e.peer_id) != e.address
+                         and well_formed(e.peer_id, e.address)])
 
     def heard_from(self, sender: PeerInfo) -> None:
         """The sender contacted this peer itself: it is alive at that address."""
+        if not well_formed(sender.peer_id, sender.address):
+            return
         if self.dead.get(sender.peer_id) == sender.address:
             del self.dead[sender.peer_id]
         self.view.merge([PeerInfo(sender.peer_id, sender.address, sender.round, 0)])
@@ -102,6 +110,9 @@ class PeerNode:
     def mark_dead(self, peer_id: str, address: str) -> None:
         """A send or shuffle to ``peer_id`` failed for good (or it said goodbye)."""
         self.dead[peer_id] = address
+        self.dead.move_to_end(peer_id)
+        while len(self.dead) > MAX_DEAD:  # goodbyes are unauthenticated: keep the newest
+            self.dead.popitem(last=False)
         entry = self.view.get(peer_id)
         if entry is not None and entry.address == address:
             self.view.remove(peer_id)

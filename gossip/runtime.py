@@ -31,7 +31,7 @@ from murmura.gossip.errors import (
     Unavailable,
     quote,
 )
-from murmura.gossip.identity import AddressBinding
+from murmura.gossip.identity import AddressBinding, check_well_formed
 from murmura.gossip.journal import RoundLogs, StepJournal, digest, replay
 from murmura.gossip.node import PeerNode, training_seed
 from murmura.gossip.transport import Health, HistoryRecord, PeerHandler, PeerTransport
@@ -213,8 +213,8 @@ class PeerRuntime(PeerHandler):
                         raise
                     continue
                 with self._lock:
-                    self.node.view.merge([PeerInfo(sender.peer_id, address, sender.round, 0),
-                                          *peers])
+                    self.node.merge([PeerInfo(sender.peer_id, address, sender.round, 0),
+                                     *peers])
                 joined = True
             if not joined:
                 if self.clock() - started > self.retry.give_up_after_s:
@@ -541,6 +541,7 @@ class PeerRuntime(PeerHandler):
             return Health(self.peer_id, self.node.round, len(self.node.view), self._training)
 
     def on_goodbye(self, sender: PeerInfo, signature: bytes = b"") -> None:
+        check_well_formed(sender.peer_id, sender.address)
         if sender.public_key:  # a signed goodbye: only the key bound to the id may say it
             self.identity.check(sender.peer_id, sender.address, public_key=sender.public_key,
                                 signature=signature, message=peer_message(

@@ -7,7 +7,8 @@ import pytest
 
 from murmura.aggregation import SybilWeighting
 from murmura.gossip import FailedPrecondition, GossipConfig, InvalidArgument, PeerNode, mix
-from murmura.protocols import ModelSpec, TensorSpec
+from murmura.gossip.node import MAX_DEAD
+from murmura.protocols import ModelSpec, PeerInfo, TensorSpec
 
 SPEC = ModelSpec((TensorSpec("w", (8,)),))
 
@@ -91,3 +92,22 @@ def test_history_gossip_is_bounded_and_drops_malformed_records() -> None:
     assert receiver.take_history(bad) == 0
     assert receiver.take_history(offer) == 4
     assert receiver.take_history(offer) == 0  # already known
+
+
+def test_malformed_entries_never_enter_the_view() -> None:
+    # A shuffle partner's junk (found by tests/integration/test_gossip_fuzz.py) must not
+    # spread: ids must be printable, 1..128 characters, addresses HOST:PORT.
+    n = node()
+    n.merge([PeerInfo("ok", "h:1"), PeerInfo("", "h:2"), PeerInfo("a\nb", "h:3"),
+             PeerInfo("x" * 129, "h:4"), PeerInfo("no-port", "h"), PeerInfo("z", "h:" * 200)])
+    n.heard_from(PeerInfo("\x00", "h:5"))
+    assert n.view.ids() == ["ok"]
+
+
+def test_departed_peers_are_remembered_up_to_a_bound() -> None:
+    # Goodbyes are unauthenticated: a flood of them must not grow memory without bound.
+    n = node()
+    for i in range(MAX_DEAD + 10):
+        n.mark_dead(f"p{i}", "h:1")
+    assert len(n.dead) == MAX_DEAD
+    assert "p0" not in n.dead and f"p{MAX_DEAD + 9}" in n.dead

@@ -268,3 +268,24 @@ def test_undecodable_bytes_get_invalid_argument(peers, method: str) -> None:
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "does not parse" in err.value.details()
     np.testing.assert_array_equal(rt.node.model, before)
+
+
+def test_a_malformed_goodbye_is_refused_and_a_valid_one_drops_the_peer(peers) -> None:
+    # Found by tests/integration/test_gossip_fuzz.py: a Goodbye took any id, so junk (and an
+    # unbounded stream of ids) entered the peer's list of departed peers.
+    rt = peers("me")
+    with rt._lock:
+        rt.node.merge([PeerInfo("gone", "127.0.0.1:9")])
+    with grpc.insecure_channel(rt.address) as ch:
+        goodbye = ch.unary_unary("/murmura.v1.Peer/Goodbye",
+                                 request_serializer=pb.PeerExchange.SerializeToString,
+                                 response_deserializer=pb.PeerPushReply.FromString)
+        for bad in (PeerInfo("a\nb", "127.0.0.1:9"), PeerInfo("", "127.0.0.1:9"),
+                    PeerInfo("gone", "no-port")):
+            with pytest.raises(grpc.RpcError) as err:
+                goodbye(pb.PeerExchange(sender=serde.peer_info_to_proto(bad)), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert rt.node.view.ids() == ["gone"] and not rt.node.dead
+        goodbye(pb.PeerExchange(sender=serde.peer_info_to_proto(
+            PeerInfo("gone", "127.0.0.1:9"))), timeout=5)
+    assert rt.node.view.ids() == [] and rt.node.dead == {"gone": "127.0.0.1:9"}
