@@ -63,7 +63,7 @@ class PeerNode:
         self.inbox: dict[str, dict[int, Received]] = {}
         # peer id -> address found unreachable (or that said goodbye), the newest MAX_DEAD
         self.dead: OrderedDict[str, str] = OrderedDict()
-        self.newest = 0  # the highest round of any model mixed in
+        self.newest = 0  # the round the models mixed so far vouch for (see mix)
         # seed mode: the model each recent round started from (replay references), and this
         # peer's own update of the current round
         self.bases: OrderedDict[int, FlatVector] = OrderedDict()
@@ -225,7 +225,10 @@ class PeerNode:
                 del rounds[r]
             if not rounds:
                 del self.inbox[sender]
-        self.newest = max([self.newest, *(r.round for r in chosen)])
+        if chosen:  # the round the mixed models vouch for: one far-ahead model cannot end
+            # this peer's run early (the median of its own round and theirs, the lower one)
+            rounds = sorted([self.round, *(r.round for r in chosen)])
+            self.newest = max(self.newest, rounds[(len(rounds) - 1) // 2])
         if self.sybil is not None:
             self._observe_gossiped({r.sender for r in chosen})
         if self.config.seed_mode:
@@ -320,8 +323,9 @@ class PeerNode:
 
     def advance(self, round_: int) -> int:
         """After mixing in ``round_``: the next round. A peer that fell behind (a slow device,
-        a restart) jumps to the newest round it has mixed a model of, so it never trains
-        rounds the network has left behind."""
+        a restart) jumps to the round most of the models it mixed come from, so it never trains
+        rounds the network has left behind; a single model claiming a far later round (a
+        hostile or confused peer) does not move it."""
         self.round = max(round_ + 1, self.newest)
         return self.round
 

@@ -111,3 +111,18 @@ def test_departed_peers_are_remembered_up_to_a_bound() -> None:
         n.mark_dead(f"p{i}", "h:1")
     assert len(n.dead) == MAX_DEAD
     assert "p0" not in n.dead and f"p{MAX_DEAD + 9}" in n.dead
+
+
+def test_one_far_ahead_model_cannot_end_a_peers_run_but_a_majority_moves_it() -> None:
+    n = node(rounds=30)
+    n.round = 5
+    n.receive("a", 5, "m1", np.ones(8, np.float32))
+    n.receive("evil", 1005, "m2", np.ones(8, np.float32))  # within the plausible window
+    n.mix()
+    assert n.advance(5) == 6  # not 1005: the run goes on
+
+    behind = node(rounds=30)  # a peer that fell behind hears from peers at round 20
+    for k in range(3):
+        behind.receive(f"p{k}", 20, f"q{k}", np.ones(8, np.float32))
+    behind.mix()
+    assert behind.advance(0) == 20
