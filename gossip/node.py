@@ -227,8 +227,8 @@ class PeerNode:
                 del self.inbox[sender]
         if chosen:  # the round the mixed models vouch for: one far-ahead model cannot end
             # this peer's run early (the median of its own round and theirs, the lower one)
-            rounds = sorted([self.round, *(r.round for r in chosen)])
-            self.newest = max(self.newest, rounds[(len(rounds) - 1) // 2])
+            vouched = sorted([self.round, *(r.round for r in chosen)])
+            self.newest = max(self.newest, vouched[(len(vouched) - 1) // 2])
         if self.sybil is not None:
             self._observe_gossiped({r.sender for r in chosen})
         if self.config.seed_mode:
