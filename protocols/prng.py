@@ -33,6 +33,7 @@ __all__ = [
     "check_seed",
     "derive_seed",
     "hash_words",
+    "hash_words_into",
     "hash_words_reference",
     "iter_rademacher",
     "rademacher",
@@ -226,6 +227,37 @@ def hash_words_reference(seed: int, count: int, *, offset: int = 0) -> npt.NDArr
     k0, k1 = stream_keys(seed)
     index = np.arange(offset, offset + count, dtype=np.uint64).astype(np.uint32)
     return _mix_numpy(_mix_numpy(index ^ np.uint32(k0)) ^ np.uint32(k1))
+
+
+def _mix_numpy_inplace(x: npt.NDArray[np.uint32], tmp: npt.NDArray[np.uint32]) -> None:
+    """:func:`_mix_numpy` in place: no temporaries, so a block of words stays in cache."""
+    np.right_shift(x, np.uint32(16), out=tmp)
+    np.bitwise_xor(x, tmp, out=x)
+    np.multiply(x, np.uint32(_C1), out=x)
+    np.right_shift(x, np.uint32(15), out=tmp)
+    np.bitwise_xor(x, tmp, out=x)
+    np.multiply(x, np.uint32(_C2), out=x)
+    np.right_shift(x, np.uint32(16), out=tmp)
+    np.bitwise_xor(x, tmp, out=x)
+
+
+def hash_words_into(keys: tuple[int, int], first: int, out: npt.NDArray[np.uint32],
+                    tmp: npt.NDArray[np.uint32], counter: npt.NDArray[np.uint32]) -> None:
+    """Words ``first .. first+len(out)-1`` of the stream with ``keys`` (:func:`stream_keys`)
+    written into ``out``, with :func:`hash_words_reference`'s wrapping uint32 arithmetic.
+
+    The CPU replay kernel's generator: ``tmp`` (scratch) and ``counter`` (``arange`` of at
+    least ``len(out)`` uint32) are the caller's reused buffers, so hashing a block allocates
+    nothing. About 4x fewer CPU-seconds than the int64 torch twin, which exists for devices.
+    """
+    count = out.size
+    if first < 0 or first + count > (1 << 32):
+        raise ValueError(f"word range [{first}, {first + count}) is outside [0, 2**32)")
+    np.add(counter[:count], np.uint32(first), out=out)
+    np.bitwise_xor(out, np.uint32(keys[0]), out=out)
+    _mix_numpy_inplace(out, tmp[:count])
+    np.bitwise_xor(out, np.uint32(keys[1]), out=out)
+    _mix_numpy_inplace(out, tmp[:count])
 
 
 def rademacher_reference(seed: int, size: int, *, offset: int = 0) -> npt.NDArray[np.float32]:

@@ -18,6 +18,7 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from murmura.aggregation import Partial
 from murmura.protocols import CodecError, FlatVector, TaskSettings, UnknownCodecError, create_codec
@@ -128,16 +129,17 @@ class Decoder:
             raise FailedPrecondition(f"codec {codec!r} needs the model version the update was "
                                      f"trained on, which is no longer kept; train on the "
                                      f"current version")
+        if out is not None and out.shape != (self.size,):
+            out = None
         try:
-            if out is not None and out.shape == (self.size,):
-                update = c.decode_into(payload, out, reference=reference)
-            else:
-                update = c.decode(payload, self.size, reference=reference)
+            update, top = c.decode_bounded(payload, self.size, reference=reference, out=out)
         except CodecError as exc:
             raise InvalidArgument(f"payload does not decode: {exc}") from None
         if update.shape != (self.size,):
             raise InvalidArgument(f"update has {update.size} values; the model has {self.size}")
-        return Decoded(update, max_abs=check_range(update, "update"))
+        # A codec that bounds its values from the payload (int8: the block scales) spares the
+        # pass over the decoded vector; any other is checked here.
+        return Decoded(update, max_abs=check_range(update, "update") if top is None else top)
 
     def _pool_update(self, codec: str, payload: bytes | memoryview) -> FlatVector:
         """A pool run's update: the K coefficients its steps applied along the pool seeds."""
@@ -174,15 +176,38 @@ class Decoder:
                        max_abs=check_range(p.sum_f32, "partial aggregate"))
 
 
+def _min_max(values: FlatVector) -> tuple[float, float]:
+    """``(min, max)`` of a float32 vector, NaN if any value is NaN.
+
+    ``torch.aminmax`` reads the vector once where NumPy's ``min`` and ``max`` read it twice
+    (2.6 against 4.2 ms for 10M values on one core); it runs on the calling thread only, as
+    the fold does (``aggregation.fedavg._fused_add``). Read-only arrays (torch would warn) and
+    other dtypes take NumPy's two passes.
+    """
+    if (values.dtype != np.float32 or values.ndim != 1 or not values.flags.writeable
+            or not values.flags.c_contiguous):
+        return float(np.min(values)), float(np.max(values))
+    threads = torch.get_num_threads()
+    if threads != 1:
+        torch.set_num_threads(1)
+    try:
+        low, high = torch.aminmax(torch.from_numpy(values))
+    finally:
+        if threads != 1:
+            torch.set_num_threads(threads)
+    return float(low), float(high)
+
+
 def check_range(values: FlatVector, what: str) -> float:
     """The largest |value|, refusing NaN and Inf with the first bad index.
 
-    NaN propagates through ``max`` and ``min``, so two reductions without a mask both find the
+    NaN propagates through ``max`` and ``min``, so the reductions without a mask both find the
     magnitude and prove every value finite; only a bad vector needs the exact search.
     """
     if values.size == 0:
         return 0.0
-    top = max(float(np.max(values)), -float(np.min(values)))
+    lowest, highest = _min_max(values)
+    top = max(highest, -lowest)
     if not np.isfinite(top):
         finite = np.isfinite(values)
         bad = int(np.flatnonzero(~finite)[0]) if not finite.all() else 0

@@ -75,6 +75,21 @@ class Codec(ABC):
         np.copyto(out, update)
         return out
 
+    def decode_bounded(self, payload: bytes | memoryview, size: int, *,
+                       reference: FlatVector | None = None, out: FlatVector | None = None
+                       ) -> tuple[FlatVector, float | None]:
+        """The update (into ``out`` when given, as :meth:`decode_into`) and, when the codec can
+        tell from the payload alone, the largest ``|value|`` in it; None otherwise.
+
+        A server bounds every aggregate with that maximum and refuses NaN and Inf; a codec that
+        returns a number guarantees every value is finite and the number is exactly
+        ``max(abs(update))``, so the caller can skip its own pass over the decoded vector
+        (``int8``: 5 of the 14 ms a 10M-value update took). The default knows nothing.
+        """
+        if out is None:
+            return self.decode(payload, size, reference=reference), None
+        return self.decode_into(payload, out, reference=reference), None
+
     def max_payload_bytes(self, size: int) -> int | None:
         """Exact or upper bound on a payload's size for ``size`` values, when known."""
         return None

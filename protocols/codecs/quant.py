@@ -113,6 +113,23 @@ class _QuantCodec(Codec):
 
     def decode_into(self, payload: bytes | memoryview, out: FlatVector, *,
                     reference: FlatVector | None = None) -> FlatVector:
+        self._decode_codes(payload, out)
+        return out
+
+    def decode_bounded(self, payload: bytes | memoryview, size: int, *,
+                       reference: FlatVector | None = None, out: FlatVector | None = None
+                       ) -> tuple[FlatVector, float | None]:
+        if out is None:
+            out = np.empty(size, dtype=np.float32)
+        elif out.size != size:
+            raise CodecError(f"codec {self.name!r}: out has {out.size} values, expected {size}")
+        codes, scales = self._decode_codes(payload, out)
+        return out, _max_abs(codes, scales, self.block, self.levels)
+
+    def _decode_codes(self, payload: bytes | memoryview, out: FlatVector
+                      ) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float32]]:
+        """Check the payload, write ``code * scale`` into ``out``; the checked codes and
+        scales (every value is then finite: scales are capped at float32 max / L)."""
         size = out.size
         check_size(self.name, size)
         check_header(self.name, payload, tag=self.tag, flags=self._flags)
@@ -140,7 +157,53 @@ class _QuantCodec(Codec):
                     out=out[:full].reshape(nfull, self.block))
         if full < size:
             np.multiply(codes[full:], scales[-1], out=out[full:])
-        return out
+        return codes, scales
+
+
+#: Rows whose largest code :func:`_max_abs` reads first (those with the largest scales).
+_FIRST_ROWS = 16
+
+
+def _max_abs(codes: npt.NDArray[np.int8], scales: npt.NDArray[np.float32], block: int,
+             levels: int) -> float:
+    """``max(abs(code * scale))`` over a decoded payload, exactly, reading few codes.
+
+    ``|code * s|`` rounds as ``|code| * s`` does and rounding is monotone, so the largest
+    magnitude is ``max_b float32(s_b * m_b)`` with ``m_b`` block ``b``'s largest ``|code|``; and
+    a block whose ``float32(s_b * L)`` does not beat the best found so far cannot win. So the
+    rows with the largest scales are read first, then only the rows that could still beat
+    them: an honest encoder puts a code of +-L in every block, which leaves almost none (the
+    whole vector is read only for a payload built to defeat this, at the cost of one pass).
+    Codes must already be checked to lie in [-L, L].
+    """
+    size = codes.size
+    if size == 0:
+        return 0.0
+    nfull = size // block
+    full = nfull * block
+    best = np.float32(0)
+    if full < size:  # the short last block
+        best = np.float32(scales[-1] * np.float32(np.max(np.abs(codes[full:]))))
+    if nfull == 0:
+        return float(best)
+    rows = codes[:full].reshape(nfull, block)
+    full_scales = scales[:nfull]
+    bounds = full_scales * np.float32(levels)
+
+    def exact(index: npt.NDArray[np.intp]) -> np.float32:
+        largest = np.max(np.abs(rows[index]), axis=1).astype(np.float32)
+        return np.float32(np.max(full_scales[index] * largest))
+
+    first = (np.argpartition(bounds, nfull - _FIRST_ROWS)[nfull - _FIRST_ROWS:]
+             if nfull > _FIRST_ROWS else np.arange(nfull))
+    best = max(best, exact(first))
+    rest = np.flatnonzero(bounds > best)
+    if rest.size > nfull // 4:  # most rows could still win: one pass over all of them
+        best = max(best, np.float32(np.max(
+            full_scales * np.max(np.abs(rows), axis=1).astype(np.float32))))
+    elif rest.size:
+        best = max(best, exact(rest))
+    return float(best)
 
 
 class _QuantEncoder(Encoder):
