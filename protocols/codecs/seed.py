@@ -141,7 +141,12 @@ def apply_steps(theta: torch.Tensor, seeds: Sequence[int] | npt.NDArray[np.uint6
     steps = [(int(s), _as_float32(c)) for s, c in pairs if float(c) != 0.0]
     if theta.device.type == "cpu" and sys.byteorder == "little":
         _apply_steps_cpu(theta, steps, block)
-        return
+    else:
+        _apply_steps_device(theta, steps, block)
+
+
+def _apply_steps_device(theta: torch.Tensor, steps: list[tuple[int, float]], block: int) -> None:
+    """:func:`apply_steps` on any device; the CPU kernel must match it bit for bit."""
     size = theta.numel()
     with torch.no_grad():
         for start in range(0, size, block):
@@ -192,7 +197,7 @@ def _apply_steps_cpu(theta: torch.Tensor, steps: list[tuple[int, float]], block:
                 block_values = values[: 32 * count]
                 rows = block_values.view(-1, 8)
                 z = block_values[skip : skip + n]
-                for (seed, coeff), stream in zip(steps, keys, strict=True):
+                for (_, coeff), stream in zip(steps, keys, strict=True):
                     prng.hash_words_into(stream, first, block_words, scratch, counter)
                     block_index.copy_(block_bytes)
                     torch.mul(prng._TABLE_CPU, coeff, out=table)  # +-coeff: exact

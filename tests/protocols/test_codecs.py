@@ -7,11 +7,13 @@ import struct
 import numpy as np
 import numpy.typing as npt
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 # Importing the modules registers the codecs.
 from murmura.protocols.codecs import proj, quant, sign, topk  # noqa: F401
 from murmura.protocols.codecs import seed as _seed  # noqa: F401
-from murmura.protocols.codecs._util import MAGIC
+from murmura.protocols.codecs._util import HEADER_BYTES, MAGIC
 from murmura.protocols.codecs.base import (
     Codec,
     CodecError,
@@ -454,3 +456,82 @@ class TestProjection:
     def test_options_are_validated(self, options: dict[str, str]) -> None:
         with pytest.raises(CodecError, match="option|feedback"):
             create_codec("proj", options)
+
+
+# -- decode_bounded: the largest |value| read from the payload --------------------------------
+
+
+def _crafted_quant_payload(codec: Codec, scales: F32, codes: npt.NDArray[np.int8]) -> bytes:
+    """A payload with the given scales and codes, valid as far as the decoder checks."""
+    honest = codec.encoder(codes.size).encode(np.zeros(codes.size, dtype=np.float32))
+    header = honest[:HEADER_BYTES]
+    return header + scales.astype(codec.scale_dtype).tobytes() + codec._pack_codes(codes)
+
+
+@pytest.mark.parametrize("name", UPDATE_CODECS)
+def test_decode_bounded_gives_decode_and_the_exact_bound_or_none(name: str) -> None:
+    codec = create_codec(name)
+    payload, decoded = _roundtrip(codec, _vector(777))
+    reference = np.zeros(777, dtype=np.float32) if codec.needs_reference else None
+    out = np.full(777, np.nan, dtype=np.float32)
+
+    update, top = codec.decode_bounded(payload, 777, reference=reference, out=out)
+
+    assert update is out and np.array_equal(out, decoded)
+    assert top is None or top == float(np.max(np.abs(decoded)))
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+class TestQuantBound:
+    @settings(max_examples=150, deadline=None)
+    @given(data=st.data())
+    def test_bound_is_the_exact_largest_magnitude(self, name: str, data: st.DataObject) -> None:
+        # Prepare: adversarial codes too: blocks with the largest scales may hold small codes,
+        # so the bound must read past the first rows it inspects
+        block = data.draw(st.sampled_from([1, 3, 8, 32]))
+        size = data.draw(st.integers(1, 200 * block + 5))
+        codec = create_codec(name, {"block": str(block)})
+        levels, nblocks = codec.levels, -(-size // block)
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+        scales = rng.choice([0.0, 0.5, 1.0, 1.0 + 2**-20, 3.0], size=nblocks).astype(np.float32)
+        caps = rng.integers(0, levels + 1, size=nblocks).repeat(block)[:size]
+        codes = (rng.integers(-levels, levels + 1, size=size) % (caps + 1)
+                 * rng.choice([-1, 1], size=size)).astype(np.int8)
+        payload = _crafted_quant_payload(codec, scales, codes)
+
+        # Execute
+        update, top = codec.decode_bounded(payload, size)
+
+        # Assert
+        assert np.array_equal(update, codec.decode(payload, size))
+        assert top == float(np.max(np.abs(update)))
+
+    def test_rows_past_the_first_ones_read_are_checked(self, name: str) -> None:
+        # Prepare: the 16 blocks with the largest scales hold only codes of 1; five blocks
+        # with slightly smaller scales hold the true maximum; the rest cannot win
+        codec = create_codec(name, {"block": "4"})
+        levels = codec.levels
+        scales = np.full(100, 0.01, dtype=np.float32)
+        scales[:16], scales[40:45] = 2.0, 1.9
+        codes = np.ones(400, dtype=np.int8)
+        codes[40 * 4 + 2] = -levels
+        payload = _crafted_quant_payload(codec, scales, codes)
+
+        # Execute
+        update, top = codec.decode_bounded(payload, 400)
+
+        # Assert
+        assert top == float(np.float32(1.9) * np.float32(levels)) == float(np.max(np.abs(update)))
+
+    def test_bound_of_an_honest_large_update(self, name: str) -> None:
+        codec = create_codec(name)
+        x = _vector(100_000) * np.linspace(0.1, 5, 100_000, dtype=np.float32)
+        payload = codec.encoder(x.size, seed=2).encode(x)
+        update, top = codec.decode_bounded(payload, x.size)
+        assert top == float(np.max(np.abs(update)))
+
+    def test_out_of_the_wrong_size_is_refused(self, name: str) -> None:
+        codec = create_codec(name)
+        payload, _ = _roundtrip(codec, _vector(100))
+        with pytest.raises(CodecError, match="out has 99 values"):
+            codec.decode_bounded(payload, 100, out=np.empty(99, dtype=np.float32))

@@ -71,6 +71,22 @@ class TestAgreement:
             assert fast.dtype == torch.int64
             assert np.array_equal(fast.numpy(), prng.hash_words_reference(seed, 5000, offset=123))
 
+    @pytest.mark.parametrize(("first", "count"), [(0, 1), (3, 100), (2**20 + 5, 777),
+                                                  (2**32 - 10, 10)])
+    def test_hash_words_into_matches_reference(self, first: int, count: int) -> None:
+        out = np.empty(count, dtype=np.uint32)
+        scratch = np.empty(count + 3, dtype=np.uint32)
+        counter = np.arange(count + 3, dtype=np.uint32)
+        for seed in SEEDS:
+            prng.hash_words_into(prng.stream_keys(seed), first, out, scratch, counter)
+            expected = prng.hash_words_reference(seed, count, offset=first)
+            assert np.array_equal(out, expected)
+
+    def test_hash_words_into_refuses_words_past_the_stream(self) -> None:
+        out = np.empty(4, dtype=np.uint32)
+        with pytest.raises(ValueError, match="outside"):
+            prng.hash_words_into((1, 2), 2**32 - 3, out, out.copy(), np.arange(4, dtype=np.uint32))
+
 
 class TestKnownVectors:
     @pytest.mark.parametrize("seed", sorted(VECTORS))

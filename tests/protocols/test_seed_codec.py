@@ -118,6 +118,51 @@ class TestExactReplay:
         # Assert
         assert _digest(replayed) == _digest(reference)
 
+    @pytest.mark.parametrize(("size", "block"), [(1, 1), (31, 7), (33, 32), (1000, 100),
+                                                 (4099, 1000), (70_001, 65_536), (5, 1 << 16)])
+    def test_cpu_kernel_is_bit_identical_to_the_device_loop(self, size: int, block: int) -> None:
+        # Prepare: blocks that start mid-word and straddle words; a zero and a -0.0 step
+        rng = np.random.default_rng(size)
+        start = rng.standard_normal(size).astype(np.float32)
+        seeds = [int(s) for s in rng.integers(0, 2**63, size=12)]
+        coeffs = [float(np.float32(c)) for c in rng.standard_normal(12) * 1e-3]
+        coeffs[3], coeffs[7] = 0.0, -0.0
+        steps = [(s, c) for s, c in zip(seeds, coeffs, strict=True) if c != 0.0]
+        fast, loop = torch.from_numpy(start.copy()), torch.from_numpy(start.copy())
+
+        # Execute
+        zo._apply_steps_cpu(fast, steps, block)
+        zo._apply_steps_device(loop, steps, block)
+
+        # Assert
+        assert _digest(fast) == _digest(loop)
+        assert _digest(fast) != _digest(start)
+
+    def test_cpu_kernel_leaves_the_thread_count_as_it_found_it(self) -> None:
+        before = torch.get_num_threads()
+        zo.apply_steps(torch.zeros(100), [1, 2], [0.5, -0.25])
+        assert torch.get_num_threads() == before
+
+    def test_decode_into_matches_decode_and_leaves_the_reference_alone(self) -> None:
+        # Prepare
+        codec = zo.SeedCodec()
+        encoder = codec.encoder(5000, seed=4)
+        theta = torch.zeros(5000)
+        for _ in range(5):
+            encoder.step(theta, seed=encoder.next_seed(), g=0.7, lr=1e-2)
+        payload = encoder.encode(np.zeros(5000, np.float32))
+        reference = np.random.default_rng(3).standard_normal(5000).astype(np.float32)
+        kept = reference.copy()
+        out = np.full(5000, np.nan, dtype=np.float32)
+
+        # Execute
+        got = codec.decode_into(payload, out, reference=reference)
+
+        # Assert
+        assert got is out
+        assert _digest(out) == _digest(codec.decode(payload, 5000, reference=reference))
+        assert np.array_equal(reference, kept)
+
     def test_zo_gradient_leaves_theta_untouched(self, task: TinyRegression) -> None:
         theta = torch.from_numpy(task.initial.copy())
         before = _digest(theta)
