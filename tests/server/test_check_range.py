@@ -19,19 +19,26 @@ def _variants(values: np.ndarray) -> list[np.ndarray]:
     return [values.copy(), read_only, strided, values.astype(np.float64)]
 
 
+#: Small vectors take NumPy's path; from 2**20 values a writable float32 one takes torch's.
+SIZES = [1000, (1 << 20) + 7]
+
+
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("index", [0, 5, 999])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_values_are_refused_with_the_first_bad_index(index: int, bad: float) -> None:
-    values = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+def test_non_finite_values_are_refused_with_the_first_bad_index(index: int, bad: float,
+                                                                 size: int) -> None:
+    values = np.random.default_rng(0).standard_normal(size).astype(np.float32)
     values[index] = bad
     for variant in _variants(values):
         with pytest.raises(ServiceError, match=f"first at index {index}"):
             check_range(variant, "update")
 
 
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_bound_is_the_largest_magnitude_on_either_side(sign: float) -> None:
-    values = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
+def test_bound_is_the_largest_magnitude_on_either_side(sign: float, size: int) -> None:
+    values = np.random.default_rng(1).standard_normal(size).astype(np.float32)
     values[17] = sign * 40.0
     for variant in _variants(values):
         assert check_range(variant, "update") == 40.0
