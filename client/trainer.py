@@ -154,8 +154,8 @@ class TorchTrainer(Trainer):
         gen = _seed_everything(seed)
         self.spec.load_into(self.model, params)
         self.model.train()
-        params = list(self.model.parameters())
-        opt = torch.optim.SGD(params, lr=settings.lr,
+        weights = list(self.model.parameters())
+        opt = torch.optim.SGD(weights, lr=settings.lr,
                               momentum=settings.momentum, weight_decay=self.weight_decay)
         steps, loss_sum, seen = 0, 0.0, 0
         epochs = settings.local_epochs if settings.local_steps == 0 else 10**9
@@ -164,7 +164,7 @@ class TorchTrainer(Trainer):
         for _ in range(epochs):
             for x, y in iter_batches(self.data, settings.batch_size, gen):
                 x, y = x.to(self.device), y.to(self.device)
-                for p in params:  # opt.zero_grad(set_to_none=True), minus its profiler hooks
+                for p in weights:  # opt.zero_grad(set_to_none=True), minus its profiler hooks
                     p.grad = None
                 loss = self._backward(x, y, amp, scaler)
                 if amp is None:
