@@ -99,8 +99,8 @@ SOURCE, TARGET = 1, 7
 DEFENCES = ["fedavg", "clip", "median", "trimmed-mean", "krum", "multi-krum", "centered-clip",
             "flame", "dnc", "sybil", "sybil-cclip", "default"]
 #: --quick runs these defences and the scenarios that have targets (fewer rounds; both seeds,
-#: since every target is judged on the worst seed), so that the grid fits in about 20 minutes
-#: on 2 busy cores.
+#: since every target is judged on the worst seed): 156 runs of 3-5 CPU-s each, about 8
+#: minutes on 2 shared cores (443 s for the grid at load ~2.4), longer on a busier machine.
 QUICK_DEFENCES = ["fedavg", "sybil-cclip", "default"]
 QUICK_ROUNDS, FULL_ROUNDS = 12, 20
 SEEDS = (0, 1)  # server, training and attacker seeds (quick and full); the data split is fixed
