@@ -42,13 +42,17 @@ def one_run(size: int, pushes: int, durable: bool, workdir: Path) -> dict[str, A
 
     spec = ModelSpec((TensorSpec("w", (size,)),))
     out = Path(tempfile.mkdtemp(prefix="durable-" if durable else "plain-", dir=workdir))
+    # The load generator joins and pushes raw, unsigned (legacy ids; docs/security.md), and
+    # it is not a hostile client: no per-client rate limit.
     config = ServerConfig(mode="async", buffer_size=BUFFER, max_staleness=10**6,
-                          max_versions=10**6, workers=0, seed=0)
+                          max_versions=10**6, workers=0, seed=0, require_identity=False,
+                          push_per_s=0.0)
     core = assemble_core(config, spec, np.zeros(size, np.float32), out_dir=out,
                          durable=durable)
     rng = np.random.default_rng(0)
     payloads = [(0.01 * rng.normal(size=size)).astype("<f4").tobytes() for _ in range(4)]
     latencies: list[float] = []
+    errors: list[BaseException] = []
     lock = threading.Lock()
     per_client = pushes // CLIENTS
     with ServerThread(core, "127.0.0.1:0") as srv:
@@ -56,17 +60,22 @@ def one_run(size: int, pushes: int, durable: bool, workdir: Path) -> dict[str, A
             transport = GrpcTransport(srv.address)
             try:
                 session = transport.join(f"c{i}", DeviceProfile())[0].session
+                fingerprint = spec.fingerprint()
                 mine = []
                 for k in range(per_client):
                     payload = payloads[k % len(payloads)]
                     header = UpdateHeader(session=session, update_id=f"c{i}-{k}",
                                           base_version=0, num_examples=10,
-                                          codec="dense-f32", payload_bytes=len(payload))
+                                          codec="dense-f32", payload_bytes=len(payload),
+                                          spec_fingerprint=fingerprint)
                     t0 = time.perf_counter()
                     transport.push(header, payload)
                     mine.append(time.perf_counter() - t0)
                 with lock:
                     latencies.extend(mine)
+            except BaseException as exc:  # reported below: a refused push voids the run
+                with lock:
+                    errors.append(exc)
             finally:
                 transport.close()
 
@@ -80,6 +89,8 @@ def one_run(size: int, pushes: int, durable: bool, workdir: Path) -> dict[str, A
         versions = srv.call(lambda: core.version)
         store = core.store
         commits = (store.commits, store.committed_ops) if store is not None else (0, 0)
+    if errors:
+        raise RuntimeError(f"a client failed, so the run measures nothing: {errors[0]}")
     latencies.sort()
     n = len(latencies)
     return {"updates_s": n / wall, "p50_ms": 1e3 * latencies[n // 2],
