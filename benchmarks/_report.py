@@ -60,7 +60,17 @@ def parse_args(name: str, description: str, argv: Sequence[str] | None = None,
                         help="print only; leave results/ and RESULTS.md untouched")
     if extra is not None:
         extra(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    global _SCRATCH_PLOTS
+    if args.no_save:  # plots too: a --no-save run must not replace the committed PNGs
+        import tempfile
+
+        _SCRATCH_PLOTS = Path(tempfile.mkdtemp(prefix=f"murmura-{name}-plots-"))
+    return args
+
+
+#: Where plots go instead of results/ after ``--no-save`` (set by :func:`parse_args`).
+_SCRATCH_PLOTS: Path | None = None
 
 
 _T0 = time.perf_counter()
@@ -346,8 +356,9 @@ class Report:
         (self.footnotes if after_tables else self.notes).append(text)
 
     def plot_path(self, suffix: str = "") -> Path:
-        """Where to save a PNG (``results/<name><suffix>.png``); it is linked in RESULTS.md."""
-        path = RESULTS_DIR / f"{self.name}{suffix}.png"
+        """Where to save a PNG (``results/<name><suffix>.png``); it is linked in RESULTS.md.
+        Under ``--no-save`` it is a scratch folder's, so the committed plots stay as they are."""
+        path = (_SCRATCH_PLOTS or RESULTS_DIR) / f"{self.name}{suffix}.png"
         self.plots.append(path)
         return path
 
@@ -376,7 +387,8 @@ class Report:
         parts += self.footnotes
         for p in self.plots:
             if p.exists():
-                parts.append(f"![{p.stem}]({p.relative_to(BENCH_DIR).as_posix()})")
+                where = p.relative_to(BENCH_DIR).as_posix() if p.is_relative_to(BENCH_DIR) else p
+                parts.append(f"![{p.stem}]({where})")
         return "\n\n".join(parts) + "\n"
 
     def to_json(self) -> dict[str, Any]:

@@ -95,7 +95,8 @@ def run_case(case: str, hidden: int) -> dict[str, Any]:
                         rng.integers(0, 10, BATCH).astype(np.int64))
     spec = ModelSpec.from_module(model)
     start = spec.flatten(model)
-    settings = TaskSettings(trainer="zo" if case.startswith("zo") else "sgd", codec="seed",
+    zo = case.startswith("zo")  # the seed codec carries zeroth-order steps only
+    settings = TaskSettings(trainer="zo" if zo else "sgd", codec="seed" if zo else "dense-f32",
                             local_epochs=0, local_steps=STEPS, batch_size=BATCH, lr=1e-4,
                             momentum=0.0 if case == "sgd_nomomentum" else 0.5)
     fn: Callable[[], Any]
