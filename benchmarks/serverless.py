@@ -22,7 +22,7 @@ updates in (receive, decode, check, fold), not publishing. Then:
   identical; time per version is reported;
 * **Ray** — the int8 load through ``backend=ray`` on a local Ray (reported, not a target).
 
-Run: ``python benchmarks/serverless.py [--quick]``.
+Run: ``python benchmarks/serverless.py [--quick | --smoke]``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,17 @@ SEED_STEPS = 300
 TARGETS = {"int8": 1.3, "topk": 1.3, "seed": 1.7}
 PROBE_PERIOD_S = 0.02
 IDLE_S = 30.0
+#: --smoke: the same loads, paths and processes at toy sizes (and a token idle period)
+SMOKE_SIZES = {"int8": 100_000, "topk": 100_000, "seed": 10_000}
+SMOKE_SEED_STEPS, SMOKE_IDLE_S = 10, 0.5
+
+
+def _use_smoke_sizes() -> None:
+    """Shrink the module's sizes for this process (the server and probe processes get theirs
+    as arguments, so they follow)."""
+    global LOADS, SEED_STEPS, IDLE_S
+    LOADS = {k: (SMOKE_SIZES[k], *v[1:]) for k, v in LOADS.items()}
+    SEED_STEPS, IDLE_S = SMOKE_SEED_STEPS, SMOKE_IDLE_S
 
 
 # -- the server process ------------------------------------------------------------------------
@@ -379,6 +390,9 @@ def run(argv: list[str] | None = None) -> int:
     quick = args.quick
     pushes = {"int8": 60, "topk": 100, "seed": 16} if quick else {"int8": 200, "topk": 200,
                                                                    "seed": 200}
+    if args.smoke:
+        _use_smoke_sizes()
+        pushes = dict.fromkeys(LOADS, 2 * PUSHERS)
     report = Report("serverless", quick=quick, params={
         "pushers": PUSHERS, "loads": {k: {"size": v[0], "codec": v[1], "options": v[2]}
                                       for k, v in LOADS.items()},
@@ -406,7 +420,7 @@ def run(argv: list[str] | None = None) -> int:
     except ImportError:
         report.note("Ray is not installed here (`pip install \"murmura[ray]\"`): no Ray row.")
     progress("hierarchy: flat vs 3 levels")
-    tree = hierarchy(3 if quick else 10)
+    tree = hierarchy(1 if args.smoke else 3 if quick else 10)
 
     by = {(r["load"], r["path"]): r for r in rows}
     for load in LOADS:
