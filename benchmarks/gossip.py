@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     sampled = real_peers(real_n, real_rounds, ("--topology", "modest", "--sample-size",
                                                str(max(2, real_n // 2)), "--aggregators", "2",
                                                "--lr", str(LR), "--local-epochs", str(EPOCHS)))
-    sampled["case"] = "MoDeST (5 trainers, 2 aggregators a round; accuracy of the aggregate)"
+    sampled["case"] = (f"MoDeST ({max(2, real_n // 2)} trainers, 2 aggregators a round; "
+                       "accuracy of the aggregate)")
     report.target(f"Seed mode: bytes sent per peer per round ({real_n} real peers)",
                   seeded["per_peer_round"] / 1024, "<=", 4, unit="KiB",
                   detail=f"step logs of {SEED_STEPS} (seed, scalar) pairs to {real_n - 1} peers, "
