@@ -105,8 +105,13 @@ class ServerProcess:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_server_main, args=(child, size, config), daemon=False)
         self.proc.start()
-        if not self.conn.poll(120):
-            raise RuntimeError("the server process did not start")
+        deadline = time.monotonic() + 120
+        while not self.conn.poll(0.2):  # fail at once if it died (its traceback is on stderr)
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                self.proc.kill()
+                self.proc.join(10)
+                raise RuntimeError(f"the server process did not start (exit code "
+                                   f"{self.proc.exitcode})")
         self.address: str = self.conn.recv()
 
     def stats(self) -> dict[str, Any]:
@@ -355,8 +360,8 @@ def hierarchy(versions: int) -> dict[str, Any]:
         srv.wait_done(600)
         flat_s = time.perf_counter() - t0
         flat = srv.call(lambda: core.params.copy())
-    for th in threads:
-        th.join(30)
+        for th in threads:  # while the server still answers: clients learn the run is over
+            th.join(30)
 
     core = top(1)
     servers = []
@@ -415,7 +420,14 @@ def run(argv: list[str] | None = None) -> int:
 
         progress("int8 through Ray")
         codec, payloads = make_payloads("int8", pushes["int8"])
-        ray_row = measure("int8", -1, payloads, codec, backend="ray", idle=False)
+        try:
+            ray_row = measure("int8", -1, payloads, codec, backend="ray", idle=False)
+        except RuntimeError as exc:
+            # A local Ray start intermittently fails on the loaded 2-core machine (its GCS
+            # port file is not written within Ray's fixed 30 s); one more try, and say so.
+            progress(f"  Ray row failed ({exc}); trying once more")
+            report.note(f"The Ray row needed a second try: the first failed ({exc}).")
+            ray_row = measure("int8", -1, payloads, codec, backend="ray", idle=False)
         rows.append(ray_row)
     except ImportError:
         report.note("Ray is not installed here (`pip install \"murmura[ray]\"`): no Ray row.")
