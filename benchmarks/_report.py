@@ -9,6 +9,11 @@ A benchmark script builds a :class:`Report`, adds its tables, targets and plots,
 * replaces the script's own section of ``benchmarks/RESULTS.md``, delimited by
   ``<!-- BEGIN <name> -->`` / ``<!-- END <name> -->`` (appended when missing).
 
+Under ``--smoke`` a script runs the same code at toy sizes, to prove in seconds that it still
+works (CI runs every script so, ``tests/benchmarks/test_smoke.py``); its figures mean nothing,
+so it writes ``<name>.json`` and its plots to a scratch directory (``--smoke-dir``) and never
+touches ``results/`` or ``RESULTS.md``.
+
 Targets are always computed from measured values (:meth:`Report.target`); a missed target is
 reported as missed, never hidden. Peers are timed in the same run, interleaved with ours, and
 the best of several repetitions is kept (:func:`interleaved`), because the benchmark machine is
@@ -52,25 +57,53 @@ RESULTS_MD_HEADER = (
 def parse_args(name: str, description: str, argv: Sequence[str] | None = None,
                extra: Callable[[argparse.ArgumentParser], None] | None = None
                ) -> argparse.Namespace:
-    """The flags every benchmark takes (``--quick``, ``--no-save``) plus any ``extra`` ones."""
+    """The flags every benchmark takes (``--quick``, ``--smoke``, ``--no-save``) plus any
+    ``extra`` ones."""
     parser = argparse.ArgumentParser(prog=f"python benchmarks/{name}.py", description=description)
     parser.add_argument("--quick", action="store_true",
                         help="same targets at reduced size; finishes in under a minute")
+    parser.add_argument("--smoke", action="store_true",
+                        help="run the same measurement code at toy sizes in seconds to prove the "
+                             "script still works; the figures mean nothing. Writes "
+                             f"{name}.json and plots to --smoke-dir only, never results/ or "
+                             "RESULTS.md")
+    parser.add_argument("--smoke-dir", type=Path, default=None, metavar="DIR",
+                        help="where --smoke writes its JSON and plots (created if missing; "
+                             "default: a new temporary directory, named on stderr)")
     parser.add_argument("--no-save", action="store_true",
                         help="print only; leave results/ and RESULTS.md untouched")
     if extra is not None:
         extra(parser)
     args = parser.parse_args(argv)
-    global _SCRATCH_PLOTS
-    if args.no_save:  # plots too: a --no-save run must not replace the committed PNGs
+    if args.smoke and args.quick:
+        parser.error("--smoke and --quick are exclusive: pick one size")
+    if args.smoke_dir is not None and not args.smoke:
+        parser.error("--smoke-dir only applies with --smoke")
+    global _SCRATCH_PLOTS, _SMOKE_DIR
+    if args.smoke:
+        import tempfile
+
+        _SMOKE_DIR = args.smoke_dir or Path(tempfile.mkdtemp(prefix=f"murmura-{name}-smoke-"))
+        _SMOKE_DIR.mkdir(parents=True, exist_ok=True)
+        _SCRATCH_PLOTS = _SMOKE_DIR
+        progress(f"smoke run: toy sizes, figures mean nothing; output goes to {_SMOKE_DIR}")
+    elif args.no_save:  # plots too: a --no-save run must not replace the committed PNGs
         import tempfile
 
         _SCRATCH_PLOTS = Path(tempfile.mkdtemp(prefix=f"murmura-{name}-plots-"))
     return args
 
 
-#: Where plots go instead of results/ after ``--no-save`` (set by :func:`parse_args`).
+#: Where plots go instead of results/ after ``--no-save`` or ``--smoke`` (set by
+#: :func:`parse_args`).
 _SCRATCH_PLOTS: Path | None = None
+#: Under ``--smoke``: where :meth:`Report.finish` writes the JSON instead of results/.
+_SMOKE_DIR: Path | None = None
+
+
+def smoke_dir() -> Path | None:
+    """The ``--smoke`` output directory, or None when this is not a smoke run."""
+    return _SMOKE_DIR
 
 
 _T0 = time.perf_counter()
@@ -318,6 +351,7 @@ class Report:
     name: str
     quick: bool
     params: dict[str, Any] = field(default_factory=dict)
+    smoke: bool = field(default_factory=lambda: _SMOKE_DIR is not None)
     machine: dict[str, Any] = field(default_factory=machine_info)
     command: str = ""
     date: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc)
@@ -374,7 +408,8 @@ class Report:
 
     def markdown(self, *, heading_level: int = 2) -> str:
         h = "#" * heading_level
-        mode = " (quick)" if self.quick else ""
+        mode = " (smoke: toy sizes, the figures mean nothing)" if self.smoke else \
+            " (quick)" if self.quick else ""
         parts = [f"{h} {self.name}{mode}",
                  f"`{self.command}` — {self.date}; {describe_machine(self.machine)}."]
         parts += self.notes
@@ -387,14 +422,14 @@ class Report:
         parts += self.footnotes
         for p in self.plots:
             if p.exists():
-                where = p.relative_to(BENCH_DIR).as_posix() if p.is_relative_to(BENCH_DIR) else p
-                parts.append(f"![{p.stem}]({where})")
+                parts.append(f"![{p.stem}]({_where(p)})")
         return "\n\n".join(parts) + "\n"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "benchmark": self.name,
             "quick": self.quick,
+            "smoke": self.smoke,
             "command": self.command,
             "date": self.date,
             "machine": self.machine,
@@ -402,15 +437,21 @@ class Report:
             "rows": self.rows,
             "targets": [asdict(t) for t in self.targets],
             "notes": self.notes + self.footnotes,
-            "plots": [p.relative_to(BENCH_DIR).as_posix() for p in self.plots if p.exists()],
+            "plots": [_where(p) for p in self.plots if p.exists()],
         }
 
     def finish(self, *, save: bool = True) -> int:
         """Print the report; unless ``save`` is false, write the JSON and the RESULTS.md
-        section. Returns 0 (a missed target is a result, not a failure of the script)."""
+        section. Under ``--smoke`` the JSON goes to the smoke directory whatever ``save``
+        says, and nothing else is written. Returns 0 (a missed target is a result, not a
+        failure of the script)."""
         text = self.markdown()
         print(text, flush=True)
-        if save:
+        if _SMOKE_DIR is not None:
+            out = _SMOKE_DIR / f"{self.name}.json"
+            _atomic_write(out, json.dumps(self.to_json(), indent=2, default=_json_default) + "\n")
+            progress(f"smoke run: wrote {out} (results/ and RESULTS.md untouched)")
+        elif save:
             RESULTS_DIR.mkdir(parents=True, exist_ok=True)
             out = RESULTS_DIR / f"{self.name}.json"
             _atomic_write(out, json.dumps(self.to_json(), indent=2, default=_json_default) + "\n")
@@ -418,6 +459,13 @@ class Report:
             progress(f"wrote {out.relative_to(BENCH_DIR.parent)} and the {self.name!r} section "
                      f"of {RESULTS_MD.relative_to(BENCH_DIR.parent)}")
         return 0
+
+
+def _where(path: Path) -> str:
+    """A plot's path as RESULTS.md and the JSON name it: relative to benchmarks/ when it is
+    inside it (results/), absolute otherwise (a scratch directory)."""
+    return path.relative_to(BENCH_DIR).as_posix() if path.is_relative_to(BENCH_DIR) else \
+        path.as_posix()
 
 
 def _json_default(o: Any) -> Any:
@@ -484,6 +532,7 @@ __all__ = [
     "progress",
     "pyplot",
     "rss_probe_available",
+    "smoke_dir",
     "time_once",
     "update_section",
 ]

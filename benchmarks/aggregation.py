@@ -21,7 +21,7 @@ GB/s = N * P * 4 bytes / seconds. Peak memory is the accumulator overhead beyond
 measured as the peak-RSS increase during the call (and, as a cross-check, the peak of traced
 numpy/Python allocations), for two N at the same P.
 
-Run: ``python benchmarks/aggregation.py [--quick]``.
+Run: ``python benchmarks/aggregation.py [--quick | --smoke]``.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ FULL = Plan(n=100, sizes=(1_000_000, 10_000_000), repeats={1_000_000: 9, 10_000_
             memory_ns=(20, 100))
 QUICK = Plan(n=20, sizes=(1_000_000, 4_000_000), repeats={1_000_000: 7, 4_000_000: 5},
              memory_ns=(5, 20))
+SMOKE = Plan(n=4, sizes=(10_000, 40_000), repeats={10_000: 2, 40_000: 2}, memory_ns=(2, 4))
 
 
 # -- inputs: what each method receives off the wire ------------------------------------------
@@ -309,7 +310,7 @@ def plot(report: Report, rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(NAME, __doc__.splitlines()[0], argv)
-    plan = QUICK if args.quick else FULL
+    plan = SMOKE if args.smoke else QUICK if args.quick else FULL
     report = Report(NAME, args.quick, params={
         "n": plan.n, "sizes": list(plan.sizes), "repeats": plan.repeats,
         "memory_ns": list(plan.memory_ns), "weighting_key": WEIGHT_KEY})

@@ -9,7 +9,7 @@ updates, weighted by polynomial staleness (``(1 + tau) ** -0.5``).
 
 Measured: the virtual time at which each first reaches the target test accuracy, and the final
 accuracy (mean of the last five evaluations, so one noisy version does not decide). Run
-``python benchmarks/async.py [--quick]``.
+``python benchmarks/async.py [--quick | --smoke]``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _final(rows: list[dict[str, Any]]) -> float:
     return statistics.fmean(r["accuracy"] for r in rows[-5:])
 
 
-def one_seed(seed: int, rounds: int) -> dict[str, Any]:
+def one_seed(seed: int, rounds: int, clients: int = CLIENTS) -> dict[str, Any]:
     from murmura.protocols import TaskSettings
     from murmura.server import ServerConfig
     from murmura.simulation import SimulationConfig, simulate
@@ -48,14 +48,14 @@ def one_seed(seed: int, rounds: int) -> dict[str, Any]:
     task = TaskConfig(task="digits", model="mlp", partition="dirichlet", alpha=0.5,
                       data_seed=seed)
     train = TaskSettings(local_epochs=3, batch_size=16, lr=0.1, momentum=0.5)
-    sim = SimulationConfig(clients=CLIENTS, step_time_s=0.05, speed_spread=SPREAD)
+    sim = SimulationConfig(clients=clients, step_time_s=0.05, speed_spread=SPREAD)
     t0 = time.perf_counter()
     sync = simulate(task, ServerConfig(mode="sync", max_versions=rounds, seed=seed,
                                        round_deadline_s=1e6, train=train), sim, out_dir=None)
     budget = sync.virtual_s
     fedbuff = simulate(task, ServerConfig(mode="async", max_versions=10**6, seed=seed,
                                           buffer_size=BUFFER, max_staleness=100, train=train),
-                       SimulationConfig(clients=CLIENTS, step_time_s=0.05,
+                       SimulationConfig(clients=clients, step_time_s=0.05,
                                         speed_spread=SPREAD, max_time_s=budget),
                        out_dir=None)
     return {"seed": seed, "budget_s": budget, "sync": sync, "fedbuff": fedbuff,
@@ -65,11 +65,12 @@ def one_seed(seed: int, rounds: int) -> dict[str, Any]:
 def run(argv: list[str] | None = None) -> int:
     args = parse_args("async", "Sync FedAvg vs FedBuff with a 10x device-speed spread", argv)
     quick = args.quick
-    rounds = 60 if quick else 150
-    seeds = [0] if quick else [0, 1, 2]
+    rounds = 3 if args.smoke else 60 if quick else 150
+    seeds = [0] if quick or args.smoke else [0, 1, 2]
+    clients = 10 if args.smoke else CLIENTS
     target = 0.92
     report = Report("async", quick=quick, params={
-        "clients": CLIENTS, "task": "digits, MLP(64-64-10), Dirichlet(0.5)",
+        "clients": clients, "task": "digits, MLP(64-64-10), Dirichlet(0.5)",
         "local": "3 epochs, batch 16, lr 0.1, momentum 0.5", "speed_spread": SPREAD,
         "step_time_s": "0.05 to 0.5 (log-uniform)", "buffer_size": BUFFER,
         "staleness": "polynomial, a=0.5", "sync_rounds": rounds, "seeds": seeds,
@@ -78,7 +79,7 @@ def run(argv: list[str] | None = None) -> int:
     for seed in seeds:
         progress(f"seed {seed}: sync FedAvg ({rounds} rounds), then FedBuff for the same "
                  f"virtual time")
-        r = one_seed(seed, rounds)
+        r = one_seed(seed, rounds, clients)
         runs.append(r)
         s, f = r["sync"], r["fedbuff"]
         ts, tf = _time_to(s.rows, target), _time_to(f.rows, target)
@@ -118,7 +119,7 @@ def run(argv: list[str] | None = None) -> int:
     report.target("FedBuff final accuracy minus sync's (worst seed)",
                   min(r["final_gap_pts"] for r in rows), ">=", -0.5, unit="points")
     report.note(
-        f"{CLIENTS} clients on digits (Dirichlet 0.5 shares), MLP, devices log-uniform over a "
+        f"{clients} clients on digits (Dirichlet 0.5 shares), MLP, devices log-uniform over a "
         f"{SPREAD:g}x speed range (0.05-0.5 s per local step), 20/100 Mbit/s, 20 ms. Sync "
         f"FedAvg: every client every round, so a round lasts as long as its slowest device. "
         f"FedBuff: a version every {BUFFER} updates, staleness weight (1+tau)^-0.5. Both run "

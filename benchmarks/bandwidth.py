@@ -29,7 +29,7 @@ Uplink bytes are what the gRPC transport would send for each push: the sum of
 session, ids, metrics and spec fingerprint included); downlink likewise from the Pull stream.
 Accuracy is on the held-out test set after each version. Torch runs on one thread.
 
-Run: ``python benchmarks/bandwidth.py [--quick]``.
+Run: ``python benchmarks/bandwidth.py [--quick | --smoke]``.
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def deep_mlp(hidden: int) -> nn.Module:
 
 def digits_from_scratch(report: Report, *, title: str, factory: Callable[[], nn.Module],
                         methods: list[Method], versions: int, zo_versions: int,
-                        ) -> tuple[list[Run], dict[str, dict[str, Any]]]:
+                        zo: TaskSettings = ZO) -> tuple[list[Run], dict[str, dict[str, Any]]]:
     """Every method in ``methods`` on the same clients and initial model; one table."""
     task = load_task(TaskConfig(task="digits", model="mlp", partition="dirichlet", alpha=ALPHA,
                                 data_seed=0))
@@ -281,7 +281,7 @@ def digits_from_scratch(report: Report, *, title: str, factory: Callable[[], nn.
     initial = ModelSpec.from_module(model).flatten(model)
     runs: list[Run] = []
     for method in methods:
-        base = ZO if method.zo else SGD
+        base = zo if method.zo else SGD
         runs.append(federated_run(method.label, method.settings(base), factory, initial,
                                   shares, task.test, versions=zo_versions if method.zo
                                   else versions, zo=method.zo))
@@ -393,7 +393,7 @@ FINETUNE_METHODS = [
 
 
 def fine_tuning(report: Report, *, shifts: list[tuple[str, int, float]],
-                methods: list[Method]) -> dict[str, list[Run]]:
+                methods: list[Method], zo: TaskSettings = ZO_FINETUNE) -> dict[str, list[Run]]:
     task = load_task(TaskConfig(task="digits", model="mlp", data_seed=0))
     rng = np.random.default_rng(0)
     order = rng.permutation(len(task.train))
@@ -419,7 +419,7 @@ def fine_tuning(report: Report, *, shifts: list[tuple[str, int, float]],
         test = _shift(task.test, kind)
         runs = []
         for method in methods:
-            base = ZO_FINETUNE if method.zo else SGD_FINETUNE
+            base = zo if method.zo else SGD_FINETUNE
             runs.append(federated_run(f"fine-tune {kind}: {method.label}",
                                       method.settings(base), factory, pretrained,
                                       shares, test, versions=versions, zo=method.zo))
@@ -455,10 +455,10 @@ def fine_tuning(report: Report, *, shifts: list[tuple[str, int, float]],
     return out
 
 
-def big_model(report: Report, *, steps: int) -> dict[str, Any]:
+def big_model(report: Report, *, steps: int, hidden: int = BIG_HIDDEN) -> dict[str, Any]:
     task = load_task(TaskConfig(task="digits", model="mlp", data_seed=0))
 
-    factory = partial(deep_mlp, BIG_HIDDEN)
+    factory = partial(deep_mlp, hidden)
     model = factory()
     spec = ModelSpec.from_module(model)
     initial = spec.flatten(model)
@@ -540,10 +540,17 @@ def main(argv: list[str] | None = None) -> int:
     shifts = ([("contrast", 3, 0.925)] if args.quick
               else [("contrast", 10, 0.925), ("translate", 20, 0.80)])
     big_steps = 20 if args.quick else ZO.local_steps
+    big_hidden = BIG_HIDDEN
+    finetune_methods = FINETUNE_METHODS[:3] if args.quick else FINETUNE_METHODS
+    zo, zo_finetune = ZO, ZO_FINETUNE
+    if args.smoke:  # every method and shift; 2 ZO versions (the pool's catch-up pull)
+        versions, zo_versions, big_steps, big_hidden = 1, 2, 2, 64
+        zo, zo_finetune = replace(ZO, local_steps=20), replace(ZO_FINETUNE, local_steps=20)
+        shifts = [(kind, 1, goal) for kind, _, goal in shifts]
     report = Report(NAME, quick=args.quick, params={
         "clients": NUM_CLIENTS, "alpha": ALPHA, "versions": versions, "zo_versions": zo_versions,
-        "sgd": repr(SGD), "zo": repr(ZO), "zo_finetune": repr(ZO_FINETUNE),
-        "finetune_shifts": shifts, "big_model_steps": big_steps})
+        "sgd": repr(SGD), "zo": repr(zo), "zo_finetune": repr(zo_finetune),
+        "finetune_shifts": shifts, "big_model_steps": big_steps, "big_model_hidden": big_hidden})
     report.note(
         f"Every method: the same {NUM_CLIENTS} clients (digits, Dirichlet {ALPHA} label skew, "
         "data seed 0), initial model, server seed and synchronous rounds through the real "
@@ -563,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     tiny = ModelSpec.from_module(task.build_model()).size
     runs, rows = digits_from_scratch(
         report, title=f"Digits from scratch, the default MLP 64-64-10 ({tiny:,} parameters)",
-        factory=task.build_model, methods=METHODS, versions=versions, zo_versions=zo_versions)
+        factory=task.build_model, methods=METHODS, versions=versions, zo_versions=zo_versions,
+        zo=zo)
     zo_targets(report, runs, rows)
     zo_run = next(run for run in runs if run.label == ZO_METHOD.label)
     header = rows["float32 FedAvg"]["wire_bytes"] - rows["float32 FedAvg"]["payload_bytes"]
@@ -577,9 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         f"are therefore taken on the same task with a {ModelSpec.from_module(mid()).size:,}-"
         f"parameter MLP, where the header is under 2 % of a sign push; the {tiny:,}-parameter "
         "table shows every method (and the seed-based runs) for comparison.")
-    finetune = fine_tuning(report, shifts=shifts, methods=FINETUNE_METHODS[:3] if args.quick
-                           else FINETUNE_METHODS)
-    big = big_model(report, steps=big_steps)
+    finetune = fine_tuning(report, shifts=shifts, methods=finetune_methods, zo=zo_finetune)
+    big = big_model(report, steps=big_steps, hidden=big_hidden)
     report.params["big_model"] = big
     plot(report, runs, versions, finetune)
     del mid_runs

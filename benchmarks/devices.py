@@ -16,6 +16,7 @@ mixed precision to matter). The device is the first CUDA GPU when there is one, 
 
     python -m benchmarks.devices            # about 8 minutes
     python -m benchmarks.devices --quick    # about 3 minutes
+    python -m benchmarks.devices --smoke    # 1 and 2 clients, amp off, one 2-step task each
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def _device() -> str:
     return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
-def _make_trainer(model: str, device: str, amp: str, seed: int) -> tuple[Any, Any, Any]:
+def _make_trainer(model: str, device: str, amp: str, seed: int,
+                  steps: int = STEPS_PER_TASK) -> tuple[Any, Any, Any]:
     import torch
     from torch import nn
 
@@ -68,21 +70,23 @@ def _make_trainer(model: str, device: str, amp: str, seed: int) -> tuple[Any, An
     data = ArrayDataset(rng.normal(size=(4096, 64)).astype(np.float32),
                         rng.integers(0, 10, 4096).astype(np.int64))
     trainer = TorchTrainer(module, data, device=device, amp=amp)
-    settings = TaskSettings(local_steps=STEPS_PER_TASK, batch_size=batch, lr=0.01,
+    settings = TaskSettings(local_steps=steps, batch_size=batch, lr=0.01,
                             momentum=0.0, seed=seed)
     return trainer, trainer.spec.flatten(trainer.model).copy(), settings
 
 
 def _client(model: str, device: str, amp: str, seconds: float, seed: int,
             start: Any) -> tuple[int, float]:
-    """One client: a warm-up task, then whole tasks until ``seconds`` have passed."""
-    trainer, params, settings = _make_trainer(model, device, amp, seed)
+    """One client: a warm-up task, then whole tasks until ``seconds`` have passed (a
+    non-positive ``seconds`` means ``--smoke``: one task of 2 steps)."""
+    steps = STEPS_PER_TASK if seconds > 0 else 2
+    trainer, params, settings = _make_trainer(model, device, amp, seed, steps)
     trainer.train(params, settings, seed=seed)  # warm-up: kernels, allocator, autocast caches
     start.wait()
     examples, t0 = 0, time.perf_counter()
     while True:
         trainer.train(params, settings, seed=seed)
-        examples += STEPS_PER_TASK * settings.batch_size
+        examples += steps * settings.batch_size
         elapsed = time.perf_counter() - t0
         if elapsed >= seconds:
             return examples, elapsed
@@ -151,12 +155,16 @@ def run(argv: list[str] | None = None) -> int:
     device = _device()
     gpu = device.startswith("cuda")
     amps = ("off", "auto") if gpu else ("off", "bf16")
-    seconds = 2.0 if args.quick else 6.0
+    if args.smoke:  # every cell spawns fresh processes (seconds each): the targets' cells only
+        amps = amps[:1]
+    seconds = 0.0 if args.smoke else 2.0 if args.quick else 6.0
+    clients = (1, 2) if args.smoke else CLIENTS
+    few, many = (4, 8) if 8 in clients else (max(clients), max(clients))
     import torch
 
     name = torch.cuda.get_device_name(0) if gpu else "CPU"
     report = Report("devices", quick=args.quick, params={
-        "device": f"{device} ({name})", "clients": list(CLIENTS), "layouts": list(LAYOUTS),
+        "device": f"{device} ({name})", "clients": list(clients), "layouts": list(LAYOUTS),
         "amp": list(amps), "models": {k: f"hidden {v[0]}, batch {v[1]}"
                                       for k, v in MODELS.items()},
         "steps_per_task": STEPS_PER_TASK, "seconds_per_cell": seconds})
@@ -166,7 +174,7 @@ def run(argv: list[str] | None = None) -> int:
             if not gpu and model == "wide":
                 continue  # a CPU takes ~15 s per task of it (370 examples/s on 2 cores)
             for layout in LAYOUTS:
-                for n in CLIENTS:
+                for n in clients:
                     progress(f"{model} model, amp {amp}, {n} clients as {layout}")
                     eps = measure(layout, n, model, device, amp, seconds)
                     rows.append({"model": model, "amp": amp, "layout": layout, "clients": n,
@@ -185,12 +193,12 @@ def run(argv: list[str] | None = None) -> int:
                   Column("examples_per_s", "examples/s", "{:,.0f}"),
                   Column("vs_one", "vs 1 client", "{:.2f}x")], rows)
 
-    best4 = max(eps("task", "off", lay, 4) / eps("task", "off", lay, 1) for lay in LAYOUTS)
-    report.target("4 clients sharing the device vs 1 client, examples/s together (task model, "
-                  "best layout)", best4, ">=", 1.0, unit="x")
-    layout_ratio = min(eps(m, "off", "processes", 8) / eps(m, "off", "threads", 8)
+    best4 = max(eps("task", "off", lay, few) / eps("task", "off", lay, 1) for lay in LAYOUTS)
+    report.target(f"{few} clients sharing the device vs 1 client, examples/s together (task "
+                  "model, best layout)", best4, ">=", 1.0, unit="x")
+    layout_ratio = min(eps(m, "off", "processes", many) / eps(m, "off", "threads", many)
                        for m in {r["model"] for r in rows})
-    report.target("8 clients as processes (the launcher's layout) vs as threads of one "
+    report.target(f"{many} clients as processes (the launcher's layout) vs as threads of one "
                   "process (worst model)", layout_ratio, ">=", 1.0, unit="x")
     if gpu:
         report.target("mixed precision (auto) vs fp32, wide model, 1 client",

@@ -9,12 +9,13 @@ SQLite commit cover every push queued meanwhile) and acknowledges only then, and
 each version in one transaction. Both runs of a size are interleaved, best of the repeats.
 
 Measured: updates/s over the whole run, push latency (p50, p95) as the clients see it, and
-how many pushes one commit covered. Run ``python benchmarks/durability.py [--quick]``.
+how many pushes one commit covered. Run ``python benchmarks/durability.py [--quick | --smoke]``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -118,20 +119,12 @@ def disk_mb_s(workdir: Path, total_mb: int = 200) -> float:
     return total_mb * (1 << 20) / 1e6 / seconds
 
 
-def run(argv: list[str] | None = None) -> int:
-    args = parse_args("durability", "Update intake with and without durable state", argv)
-    quick = args.quick
-    sizes = [10_000, 250_000] if quick else [10_000, 1_000_000]
-    pushes = 400 if quick else 2_000
-    repeats = 2 if quick else 3
-    workdir = Path(tempfile.mkdtemp(prefix="murmura-durability-"))
-    fs = os.statvfs(workdir)
-    report = Report("durability", quick=quick, params={
-        "clients": CLIENTS, "buffer_size": BUFFER, "pushes_per_run": pushes,
-        "model_sizes": sizes, "repeats": repeats, "decoding": "in-process (workers 0)",
-        "disk": f"{workdir} ({fs.f_bsize}-byte blocks)"})
+def measure(workdir: Path, sizes: list[int], pushes: int, repeats: int, probe_mb: int,
+            probes: int) -> tuple[list[dict[str, Any]], float]:
+    """The disk probe, then plain and durable runs of every size, interleaved: one row per
+    size with the best of the repeats, and the disk's fsynced MB/s."""
     rows = []
-    disk = max(disk_mb_s(workdir) for _ in range(2))
+    disk = max(disk_mb_s(workdir, probe_mb) for _ in range(probes))
     progress(f"disk: {disk:.0f} MB/s sequential, fsynced")
     for size in sizes:
         best: dict[bool, dict[str, Any]] = {}
@@ -150,6 +143,26 @@ def run(argv: list[str] | None = None) -> int:
                      "plain_p95_ms": plain["p95_ms"], "durable_p95_ms": dur["p95_ms"],
                      "ops_per_commit": dur["ops_per_commit"], "versions": dur["versions"],
                      "spool_mb_s": dur["updates_s"] * 4 * size / 1e6, "disk_mb_s": disk})
+    return rows, disk
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = parse_args("durability", "Update intake with and without durable state", argv)
+    quick = args.quick
+    sizes = [1_000, 10_000] if args.smoke else [10_000, 250_000] if quick else [10_000, 1_000_000]
+    pushes = 2 * CLIENTS if args.smoke else 400 if quick else 2_000
+    repeats = 1 if args.smoke else 2 if quick else 3
+    probe_mb, probes = (8, 1) if args.smoke else (200, 2)
+    workdir = Path(tempfile.mkdtemp(prefix="murmura-durability-"))
+    fs = os.statvfs(workdir)
+    report = Report("durability", quick=quick, params={
+        "clients": CLIENTS, "buffer_size": BUFFER, "pushes_per_run": pushes,
+        "model_sizes": sizes, "repeats": repeats, "decoding": "in-process (workers 0)",
+        "disk": f"{workdir} ({fs.f_bsize}-byte blocks)"})
+    try:
+        rows, disk = measure(workdir, sizes, pushes, repeats, probe_mb, probes)
+    finally:  # each run's state.db, spool and checkpoints (hundreds of MB in a full run)
+        shutil.rmtree(workdir, ignore_errors=True)
     cols = [Column("size", "model (floats)", "{:,}"), Column("payload_kb", "payload (KB)",
                                                               "{:,.0f}"),
             Column("plain_updates_s", "plain updates/s", "{:,.0f}"),

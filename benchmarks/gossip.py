@@ -23,7 +23,7 @@ and Sybil floods, on the simulator; and real peers on loopback.
   in seed mode (zeroth-order training; peers exchange (seed, scalar) step logs), and in
   MoDeST-style sampled rounds.
 
-Run: ``python benchmarks/gossip.py [--quick]``.
+Run: ``python benchmarks/gossip.py [--quick | --smoke]``.
 """
 
 from __future__ import annotations
@@ -144,10 +144,18 @@ def real_peers(clients: int, rounds: int, extra: tuple[str, ...] = ()) -> dict[s
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(NAME, __doc__.splitlines()[0], argv)
     torch.set_num_threads(1)
-    quick = args.quick
+    quick, smoke = args.quick, args.smoke
     rounds = 15 if quick else 30     # Sybil flood
     el_rounds = 30                   # Epidemic at n = 100 (cheap: the full length always)
     big_rounds = 10 if quick else 20
+    # peers: Epidemic (digits, synthetic), MoDeST (peers, sample, aggregators, rounds),
+    # honest peers of the Sybil flood and its seeds, simulated seed mode, real peers
+    el_sizes, modest_size = (100, 1000), (100, 20, 3, 30)
+    honest, sybil_seeds, seed_n, real_n = 20, SYBIL_SEEDS, 30, 10
+    if smoke:  # every case, toy sizes: a handful of peers, 2-4 rounds
+        rounds = el_rounds = big_rounds = 2
+        el_sizes, modest_size = (10, 20), (10, 4, 2, 4)
+        honest, sybil_seeds, seed_n, real_n = 6, SYBIL_SEEDS[:1], 6, 3
     digits = TaskConfig(task="digits", partition="dirichlet", alpha=0.5)
     synthetic = TaskConfig(task="synthetic", model="mlp", partition="dirichlet", alpha=0.5)
     report = Report(NAME, quick=quick, params={
@@ -157,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     curves: dict[str, list[float]] = {}
 
     # -- Epidemic vs FedAvg ---------------------------------------------------------------
-    for n, task, r in ((100, digits, el_rounds), (1000, synthetic, big_rounds)):
+    for n, task, r in ((el_sizes[0], digits, el_rounds), (el_sizes[1], synthetic, big_rounds)):
         progress(f"epidemic n={n}: FedAvg baseline")
         t0 = time.perf_counter()
         base = fedavg(task, n, r, epochs=EL_EPOCHS)
@@ -188,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
                      "wall": weighted.wall_s, "baseline_wall": base_s})
 
     # -- MoDeST-style sampling ------------------------------------------------------------
-    n, sample, m_rounds = 100, 20, 30  # cheap (20 trainers a round): the full length always
+    n, sample, aggregators, m_rounds = modest_size  # cheap: the full length always
     progress("modest: FedAvg with the same cohort")
     base = fedavg(digits, n, m_rounds, cohort=sample)
-    modest = gossip_config(m_rounds, topology="modest", sample_size=sample, aggregators=3)
+    modest = gossip_config(m_rounds, topology="modest", sample_size=sample,
+                           aggregators=aggregators)
     for label, failures in (("no failures", None),
                             ("50% churn every round", GossipFailures(churn_per_round=0.5)),
                             ("80% crash at mid-run",
@@ -217,7 +226,6 @@ def main(argv: list[str] | None = None) -> int:
     curves[f"FedAvg cohort {sample}"] = base
 
     # -- Sybil flood ----------------------------------------------------------------------
-    honest = 20
     successes: dict[bool, list[float]] = {True: [], False: []}
     sybil_rows = []
     for share in (0.1, 0.3, 0.5):
@@ -226,10 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         ids = tuple(range(honest, n))
         for weighting in (True, False):
             progress(f"sybil {share:.0%} ({k} clones), weighting={weighting}, seeds "
-                     f"{SYBIL_SEEDS}")
+                     f"{sybil_seeds}")
             data, attacks = sybil_data(digits, n, ids[0])
             per_seed, acc = [], []
-            for seed in SYBIL_SEEDS:
+            for seed in sybil_seeds:
                 cfg = gossip_config(rounds, topology="epidemic", sybil=weighting, seed=seed)
                 res = run_gossip(digits, n, cfg, data=data, attacks=attacks,
                                  sybils=SybilFlood(ids), attack_pair=(SOURCE, TARGET))
@@ -253,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- seed mode on the simulator ---------------------------------------------------------
     seed_sim_rows = []
-    seed_n, seed_sim_rounds = 30, 10 if quick else 20
+    seed_sim_rounds = 2 if smoke else 10 if quick else 20
     for model in ("logreg", "mlp"):
         progress(f"seed mode, {seed_n} simulated peers, {model}")
         task = TaskConfig(task="digits", model=model, partition="dirichlet", alpha=0.5)
@@ -274,25 +282,28 @@ def main(argv: list[str] | None = None) -> int:
                       for r in seed_sim_rows))
 
     # -- real peers -----------------------------------------------------------------------
-    progress("10 real peers on loopback")
-    real = real_peers(10, 10 if quick else 20)
+    real_rounds = 2 if smoke else 10 if quick else 20
+    progress(f"{real_n} real peers on loopback")
+    real = real_peers(real_n, real_rounds)
     real["case"] = "models (dense-f32)"
-    progress("10 real peers on loopback, seed mode")
-    seed_rounds = 10 if quick else 30
+    progress(f"{real_n} real peers on loopback, seed mode")
+    seed_rounds = 2 if smoke else 10 if quick else 30
     # every peer hears from every other each round (k-regular, degree n - 1): the peers' models
     # stay bit-identical, so the consensus distance is exactly 0
-    seeded = real_peers(10, seed_rounds, ("--seed-mode", "--local-steps", str(SEED_STEPS),
-                                          "--lr", str(SEED_LR), "--topology", "k-regular",
-                                          "--degree", "9"))
+    seeded = real_peers(real_n, seed_rounds, ("--seed-mode", "--local-steps", str(SEED_STEPS),
+                                              "--lr", str(SEED_LR), "--topology", "k-regular",
+                                              "--degree", str(real_n - 1)))
     seeded["case"] = f"seed mode ({SEED_STEPS} ZO steps/round, all-to-all)"
-    progress("10 real peers on loopback, MoDeST")
-    sampled = real_peers(10, 10 if quick else 20, ("--topology", "modest", "--sample-size", "5",
-                                                   "--aggregators", "2", "--lr", str(LR),
-                                                   "--local-epochs", str(EPOCHS)))
-    sampled["case"] = "MoDeST (5 trainers, 2 aggregators a round; accuracy of the aggregate)"
-    report.target("Seed mode: bytes sent per peer per round (10 real peers)",
+    progress(f"{real_n} real peers on loopback, MoDeST")
+    sampled = real_peers(real_n, real_rounds, ("--topology", "modest", "--sample-size",
+                                               str(max(2, real_n // 2)), "--aggregators", "2",
+                                               "--lr", str(LR), "--local-epochs", str(EPOCHS)))
+    sampled["case"] = (f"MoDeST ({max(2, real_n // 2)} trainers, 2 aggregators a round; "
+                       "accuracy of the aggregate)")
+    report.target(f"Seed mode: bytes sent per peer per round ({real_n} real peers)",
                   seeded["per_peer_round"] / 1024, "<=", 4, unit="KiB",
-                  detail=f"step logs of {SEED_STEPS} (seed, scalar) pairs to 9 peers, plus "
+                  detail=f"step logs of {SEED_STEPS} (seed, scalar) pairs to {real_n - 1} peers, "
+                  "plus "
                   f"view shuffles; the size does not depend on the model's; a model push is "
                   f"{19332 / 1024:.1f} KiB for this MLP")
 
@@ -317,12 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         Column("kb", "KiB / peer / round", "{:.1f}"),
         Column("copies", "model pushes / peer / round", "{:.2f}"),
         Column("wall", "wall s", "{:.1f}")], rows)
-    report.table("Sybil flood (label flip 1->7), epidemic, 20 honest peers", [
+    report.table(f"Sybil flood (label flip 1->7), epidemic, {honest} honest peers", [
         Column("sybils", "Sybil identities"), Column("weighting", "Sybil weighting"),
-        Column("success", f"attack success % (mean of {len(SYBIL_SEEDS)} seeds)", "{:.1f}"),
+        Column("success", f"attack success % (mean of {len(sybil_seeds)} seeds)", "{:.1f}"),
         Column("per_seed", "per seed %"),
         Column("accuracy", "honest accuracy", "{:.3f}")], sybil_rows)
-    report.table("10 real peers on loopback (`murmura run --gossip --clients 10`)", [
+    report.table(f"{real_n} real peers on loopback (`murmura run --gossip --clients {real_n}`)", [
         Column("case", "exchange"),
         Column("rounds", "rounds"), Column("accuracy", "mean acc", "{:.3f}"),
         Column("accuracy_min", "min acc", "{:.3f}"),

@@ -22,7 +22,7 @@ at K members (``compass_max_group``).
 All three use polynomial staleness weights (1 + tau)^-0.5 and refuse updates more than 20
 versions old. Measured: the virtual time at which each first reaches the target test accuracy,
 the final accuracy (mean of the last five evaluations), and the staleness of accepted updates.
-Run ``python benchmarks/scheduling.py [--quick]``.
+Run ``python benchmarks/scheduling.py [--quick | --smoke]``.
 """
 
 from __future__ import annotations
@@ -47,11 +47,21 @@ BUDGET = {"sync": 6000.0, "async": 200.0, "compass": 200.0, "compass-paper": 200
           "compass-fedbuff": 200.0, "compass-capped": 200.0}
 QUICK_BUDGET = {"sync": 4800.0, "async": 150.0, "compass": 150.0, "compass-paper": 150.0,
                 "compass-fedbuff": 150.0, "compass-capped": 150.0}
-POLICIES = (("sync", "sync FedAvg"), ("async", f"FedBuff (K={BUFFER})"),
+#: --smoke: 10 clients, about two sync rounds (deadline 120 s) and a few asynchronous versions
+SMOKE_CLIENTS = 10
+SMOKE_BUDGET = {"sync": 250.0, "async": 20.0, "compass": 20.0, "compass-paper": 20.0,
+                "compass-fedbuff": 20.0, "compass-capped": 20.0}
+
+
+def policies(clients: int = CLIENTS) -> tuple[tuple[str, str], ...]:
+    return (("sync", "sync FedAvg"), ("async", f"FedBuff (K={BUFFER})"),
             ("compass", "FedCompass"),
-            ("compass-paper", f"FedCompass, version = m/{CLIENTS} x mean (paper's weight)"),
+            ("compass-paper", f"FedCompass, version = m/{clients} x mean (paper's weight)"),
             ("compass-fedbuff", f"FedCompass, version = m/{BUFFER} x mean (FedBuff's weight)"),
             ("compass-capped", f"FedCompass, groups of <= {BUFFER}"))
+
+
+POLICIES = policies()
 
 
 def _time_to(rows: list[dict[str, Any]], target: float) -> float | None:
@@ -77,7 +87,7 @@ def _p95(hist: dict[int, int]) -> float:
     return float(max(hist))
 
 
-def one_policy(mode: str, seed: int, budget_s: float) -> Any:
+def one_policy(mode: str, seed: int, budget_s: float, clients: int = CLIENTS) -> Any:
     from murmura.protocols import TaskSettings
     from murmura.server import ServerConfig
     from murmura.simulation import SimulationConfig, simulate
@@ -92,12 +102,12 @@ def one_policy(mode: str, seed: int, budget_s: float) -> Any:
         if mode == "compass-capped":  # a version at least every BUFFER updates, as FedBuff
             extra["compass_max_group"] = BUFFER
         elif mode == "compass-paper":  # each update a fixed 1/N share (Li et al.'s weight)
-            extra["compass_step_updates"] = CLIENTS
+            extra["compass_step_updates"] = clients
         elif mode == "compass-fedbuff":  # each update 1/K of a step, as in FedBuff's buffer
             extra["compass_step_updates"] = BUFFER
         mode = "compass"
     server = ServerConfig(mode=mode, max_versions=10**6, seed=seed, train=train, **extra)
-    sim = SimulationConfig(clients=CLIENTS, step_time_s=0.05, speed_spread=SPREAD,
+    sim = SimulationConfig(clients=clients, step_time_s=0.05, speed_spread=SPREAD,
                            stragglers=STRAGGLERS, straggler_factor=STRAGGLER_FACTOR,
                            max_time_s=budget_s)
     return simulate(task, server, sim, out_dir=None)
@@ -107,10 +117,11 @@ def run(argv: list[str] | None = None) -> int:
     args = parse_args("scheduling", "Sync FedAvg vs FedBuff vs FedCompass with stragglers",
                       argv)
     quick = args.quick
-    seeds = [0] if quick else [0, 1, 2]
-    budget = QUICK_BUDGET if quick else BUDGET
+    seeds = [0] if quick or args.smoke else [0, 1, 2]
+    budget = SMOKE_BUDGET if args.smoke else QUICK_BUDGET if quick else BUDGET
+    clients = SMOKE_CLIENTS if args.smoke else CLIENTS
     report = Report("scheduling", quick=quick, params={
-        "clients": CLIENTS, "task": "digits, MLP(64-64-10), Dirichlet(0.5)",
+        "clients": clients, "task": "digits, MLP(64-64-10), Dirichlet(0.5)",
         "local": f"{LOCAL_STEPS} steps (FedCompass: {LOCAL_STEPS // 5}-{LOCAL_STEPS}), batch "
                  f"16, lr 0.1, momentum 0.5",
         "speed_spread": SPREAD, "stragglers": STRAGGLERS, "straggler_factor": STRAGGLER_FACTOR,
@@ -120,10 +131,10 @@ def run(argv: list[str] | None = None) -> int:
         "target_accuracy": TARGET})
     rows, first = [], {}
     for seed in seeds:
-        for mode, label in POLICIES:
+        for mode, label in policies(clients):
             progress(f"seed {seed}: {label} for {budget[mode]:,.0f} virtual s")
             t0 = time.perf_counter()
-            r = one_policy(mode, seed, budget[mode])
+            r = one_policy(mode, seed, budget[mode], clients)
             wall = time.perf_counter() - t0
             if seed == seeds[0]:
                 first[mode] = r
@@ -175,7 +186,7 @@ def run(argv: list[str] | None = None) -> int:
     report.target("FedCompass p95 staleness of accepted updates (worst seed)", p95, "<=", 2.0,
                   unit="versions")
     report.note(
-        f"{CLIENTS} clients on digits (Dirichlet 0.5 shares), MLP, devices log-uniform over a "
+        f"{clients} clients on digits (Dirichlet 0.5 shares), MLP, devices log-uniform over a "
         f"{SPREAD:g}x speed range (0.05-0.5 s per local step), {STRAGGLERS:.0%} of them "
         f"{STRAGGLER_FACTOR:g}x slower still, 20/100 Mbit/s, 20 ms. Sync FedAvg: every client "
         f"every round, {LOCAL_STEPS} local steps, the default 120 s round deadline. FedBuff: "
@@ -184,19 +195,19 @@ def run(argv: list[str] | None = None) -> int:
         f"(the paper's Q_min = Q_max / 5 with Q_max the baselines' Q), one version per arrival "
         "group moving the model by the group's weighted mean (latest arrival 1.5x the planned "
         "time; a founder aligned with an open group's next arrival, the paper's Algorithm 2). "
-        f"The variants differ only in the server step: m/{CLIENTS} x the mean of a version of "
+        f"The variants differ only in the server step: m/{clients} x the mean of a version of "
         f"m updates (the paper's fixed per-client weight 1/N), m/{BUFFER} x (each update "
         f"weighted as in FedBuff's buffer), or groups capped at {BUFFER} members. All on "
         "Murmura's aggregator core in virtual time with staleness weight (1+tau)^-0.5 and at "
         "most 20 versions of staleness; final accuracy is the mean of the last five "
         "evaluations on the 360 test digits. A baseline that never reaches the target counts "
         "at its whole virtual budget, a lower bound on its time.")
-    report.note(analysis(rows), after_tables=True)
-    _plot(report, first)
+    report.note(analysis(rows, clients), after_tables=True)
+    _plot(report, first, clients)
     return report.finish(save=not args.no_save)
 
 
-def analysis(rows: list[dict[str, Any]]) -> str:
+def analysis(rows: list[dict[str, Any]], clients: int = CLIENTS) -> str:
     """What the measurements say about FedCompass against FedBuff, from the rows."""
     seeds = sorted({r["seed"] for r in rows})
 
@@ -228,13 +239,13 @@ def analysis(rows: list[dict[str, Any]]) -> str:
         f"{mean('async', 'stale_mean'):.2f}, p95 at most {worst('compass', 'stale_p95'):.0f} "
         f"against {worst('async', 'stale_p95'):.0f}; {mean('compass', 'refused'):.0f} updates "
         f"refused as too stale per run against {mean('async', 'refused'):.0f}), but with "
-        f"{CLIENTS} clients its arrival groups are large: {per_version('compass'):.1f} updates "
+        f"{clients} clients its arrival groups are large: {per_version('compass'):.1f} updates "
         f"per version against FedBuff's {per_version('async'):.0f}, so it makes {steps:.2f}x as "
         f"many server steps in the same time, and it reaches {TARGET:.0%} in "
         f"{times('compass')} against FedBuff's {times('async')}. How far a version moves the "
         "model decides the race, and no setting of it wins on both targets here. Weighting "
-        f"each update by a fixed 1/{CLIENTS} as the paper does (a version of m updates moves m/"
-        f"{CLIENTS} of their mean, at most one FedAvg round) makes each step smaller: "
+        f"each update by a fixed 1/{clients} as the paper does (a version of m updates moves m/"
+        f"{clients} of their mean, at most one FedAvg round) makes each step smaller: "
         f"{times('compass-paper')}. Giving each update FedBuff's weight (1/{BUFFER} of a step, "
         "the paper's fairness rule: the same weight per update for every algorithm) adds "
         f"about {per_version('compass-fedbuff') / BUFFER:.0f} means of fresh updates into one "
@@ -249,10 +260,10 @@ def analysis(rows: list[dict[str, Any]]) -> str:
         "the race to the target on digits.")
 
 
-def _plot(report: Report, runs: dict[str, Any]) -> None:
+def _plot(report: Report, runs: dict[str, Any], clients: int = CLIENTS) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for mode, label in POLICIES:
+    for mode, label in policies(clients):
         rows = runs[mode].rows
         ax.plot([r["time_s"] for r in rows], [r["accuracy"] for r in rows], label=label,
                 lw=1.2)
@@ -263,7 +274,7 @@ def _plot(report: Report, runs: dict[str, Any]) -> None:
     ax.set_ylim(0.3, 1.0)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title(f"{CLIENTS} clients, {SPREAD:g}x speed spread + {STRAGGLERS:.0%} stragglers "
+    ax.set_title(f"{clients} clients, {SPREAD:g}x speed spread + {STRAGGLERS:.0%} stragglers "
                  f"{STRAGGLER_FACTOR:g}x slower")
     fig.tight_layout()
     fig.savefig(report.plot_path(), dpi=100)

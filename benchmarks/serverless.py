@@ -22,7 +22,7 @@ updates in (receive, decode, check, fold), not publishing. Then:
   identical; time per version is reported;
 * **Ray** — the int8 load through ``backend=ray`` on a local Ray (reported, not a target).
 
-Run: ``python benchmarks/serverless.py [--quick]``.
+Run: ``python benchmarks/serverless.py [--quick | --smoke]``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,17 @@ SEED_STEPS = 300
 TARGETS = {"int8": 1.3, "topk": 1.3, "seed": 1.7}
 PROBE_PERIOD_S = 0.02
 IDLE_S = 30.0
+#: --smoke: the same loads, paths and processes at toy sizes (and a token idle period)
+SMOKE_SIZES = {"int8": 100_000, "topk": 100_000, "seed": 10_000}
+SMOKE_SEED_STEPS, SMOKE_IDLE_S = 10, 0.5
+
+
+def _use_smoke_sizes() -> None:
+    """Shrink the module's sizes for this process (the server and probe processes get theirs
+    as arguments, so they follow)."""
+    global LOADS, SEED_STEPS, IDLE_S
+    LOADS = {k: (SMOKE_SIZES[k], *v[1:]) for k, v in LOADS.items()}
+    SEED_STEPS, IDLE_S = SMOKE_SEED_STEPS, SMOKE_IDLE_S
 
 
 # -- the server process ------------------------------------------------------------------------
@@ -94,8 +105,13 @@ class ServerProcess:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_server_main, args=(child, size, config), daemon=False)
         self.proc.start()
-        if not self.conn.poll(120):
-            raise RuntimeError("the server process did not start")
+        deadline = time.monotonic() + 120
+        while not self.conn.poll(0.2):  # fail at once if it died (its traceback is on stderr)
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                self.proc.kill()
+                self.proc.join(10)
+                raise RuntimeError(f"the server process did not start (exit code "
+                                   f"{self.proc.exitcode})")
         self.address: str = self.conn.recv()
 
     def stats(self) -> dict[str, Any]:
@@ -344,8 +360,8 @@ def hierarchy(versions: int) -> dict[str, Any]:
         srv.wait_done(600)
         flat_s = time.perf_counter() - t0
         flat = srv.call(lambda: core.params.copy())
-    for th in threads:
-        th.join(30)
+        for th in threads:  # while the server still answers: clients learn the run is over
+            th.join(30)
 
     core = top(1)
     servers = []
@@ -379,6 +395,9 @@ def run(argv: list[str] | None = None) -> int:
     quick = args.quick
     pushes = {"int8": 60, "topk": 100, "seed": 16} if quick else {"int8": 200, "topk": 200,
                                                                    "seed": 200}
+    if args.smoke:
+        _use_smoke_sizes()
+        pushes = dict.fromkeys(LOADS, 2 * PUSHERS)
     report = Report("serverless", quick=quick, params={
         "pushers": PUSHERS, "loads": {k: {"size": v[0], "codec": v[1], "options": v[2]}
                                       for k, v in LOADS.items()},
@@ -401,12 +420,19 @@ def run(argv: list[str] | None = None) -> int:
 
         progress("int8 through Ray")
         codec, payloads = make_payloads("int8", pushes["int8"])
-        ray_row = measure("int8", -1, payloads, codec, backend="ray", idle=False)
+        try:
+            ray_row = measure("int8", -1, payloads, codec, backend="ray", idle=False)
+        except RuntimeError as exc:
+            # A local Ray start intermittently fails on the loaded 2-core machine (its GCS
+            # port file is not written within Ray's fixed 30 s); one more try, and say so.
+            progress(f"  Ray row failed ({exc}); trying once more")
+            report.note(f"The Ray row needed a second try: the first failed ({exc}).")
+            ray_row = measure("int8", -1, payloads, codec, backend="ray", idle=False)
         rows.append(ray_row)
     except ImportError:
         report.note("Ray is not installed here (`pip install \"murmura[ray]\"`): no Ray row.")
     progress("hierarchy: flat vs 3 levels")
-    tree = hierarchy(3 if quick else 10)
+    tree = hierarchy(1 if args.smoke else 3 if quick else 10)
 
     by = {(r["load"], r["path"]): r for r in rows}
     for load in LOADS:

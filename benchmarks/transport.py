@@ -17,7 +17,7 @@ message-size options, and are timed interleaved; MB/s = payload bytes / 10^6 / b
 A breakdown times the pieces of a push on their own (client-side chunking, the core's
 validate/decode/aggregate step without gRPC).
 
-Run: ``python benchmarks/transport.py [--quick]``.
+Run: ``python benchmarks/transport.py [--quick | --smoke]``.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from murmura.server.service import MAX_MESSAGE_BYTES  # noqa: E402
 NAME = "transport"
 FULL_PARAMS, QUICK_PARAMS = 25_000_000, 5_000_000   # 100 MB and 20 MB of float32
 FULL_REPEATS, QUICK_REPEATS = 9, 7
+SMOKE_PARAMS, SMOKE_REPEATS = 600_000, 2  # 2.4 MB: still three 1 MiB chunks
 CHUNK = serde.CHUNK_BYTES
 RAW_SERVICE = "murmura.bench.Raw"
 TIMEOUT_S = 300.0
@@ -343,8 +344,8 @@ def plot(report: Report, rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(NAME, __doc__.splitlines()[0], argv)
-    p = QUICK_PARAMS if args.quick else FULL_PARAMS
-    repeats = QUICK_REPEATS if args.quick else FULL_REPEATS
+    p = SMOKE_PARAMS if args.smoke else QUICK_PARAMS if args.quick else FULL_PARAMS
+    repeats = SMOKE_REPEATS if args.smoke else QUICK_REPEATS if args.quick else FULL_REPEATS
     report = Report(NAME, args.quick, params={"params": p, "payload_bytes": 4 * p,
                                               "chunk_bytes": CHUNK, "repeats": repeats})
     progress(f"pushing and pulling {4 * p / 1e6:.0f} MB, {repeats} interleaved rounds")

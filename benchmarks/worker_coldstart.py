@@ -8,22 +8,24 @@
 * **warm dispatch** — sequential tiny jobs on a warm worker: the round trip ``await run(...)``
   and the backend's dispatch latency (job submitted -> the worker starts running it).
 
-A small script, not part of the benchmark suite's report: it prints a markdown table and saves
-nothing. Run: ``python benchmarks/worker_coldstart.py [--starts N] [--jobs N]``.
+A small diagnostic, not part of RESULTS.md: it prints a markdown table and saves nothing
+(``--smoke`` writes its JSON to the smoke directory, as every benchmark's).
+Run: ``python benchmarks/worker_coldstart.py [--starts N] [--jobs N] [--smoke]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._report import Column, Report, parse_args  # noqa: E402
 from murmura.server import _testjobs as jobs  # noqa: E402
 from murmura.server.workers import InlineBackend, ProcessBackend  # noqa: E402
 
@@ -68,31 +70,49 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-async def measure(starts: int, n_jobs: int) -> None:
+async def measure(report: Report, starts: int, n_jobs: int) -> None:
     fork = await cold_starts("forkserver", starts + 1)
     spawn = await cold_starts("spawn", starts)
     trips, dispatch, inline = await warm(n_jobs)
-    print("| what | value |")
-    print("|---|---|")
-    print(f"| forkserver, first cold start (boots the forkserver, imports preload) | "
-          f"{ms(fork[0])} |")
-    print(f"| forkserver, later cold starts (median of {starts}) | "
-          f"{ms(statistics.median(fork[1:]))} (min {ms(min(fork[1:]))}) |")
-    print(f"| spawn, cold start (median of {starts}) | {ms(statistics.median(spawn))} "
-          f"(min {ms(min(spawn))}) |")
-    print(f"| warm round trip `await run(add)` (median of {n_jobs}) | "
-          f"{ms(statistics.median(trips))} (p90 {ms(statistics.quantiles(trips, n=10)[-1])}) |")
-    print(f"| warm dispatch latency, submit -> worker starts the job (mean) | {ms(dispatch)} |")
-    print(f"| inline round trip (median) | {ms(statistics.median(inline))} |")
+    rows = [
+        {"what": "forkserver, first cold start (boots the forkserver, imports preload)",
+         "value": ms(fork[0]), "seconds": fork[0]},
+        {"what": f"forkserver, later cold starts (median of {starts})",
+         "value": f"{ms(statistics.median(fork[1:]))} (min {ms(min(fork[1:]))})",
+         "seconds": statistics.median(fork[1:])},
+        {"what": f"spawn, cold start (median of {starts})",
+         "value": f"{ms(statistics.median(spawn))} (min {ms(min(spawn))})",
+         "seconds": statistics.median(spawn)},
+        {"what": f"warm round trip `await run(add)` (median of {n_jobs})",
+         "value": f"{ms(statistics.median(trips))} "
+                  f"(p90 {ms(statistics.quantiles(trips, n=10)[-1])})",
+         "seconds": statistics.median(trips)},
+        {"what": "warm dispatch latency, submit -> worker starts the job (mean)",
+         "value": ms(dispatch), "seconds": dispatch},
+        {"what": "inline round trip (median)", "value": ms(statistics.median(inline)),
+         "seconds": statistics.median(inline)},
+    ]
+    report.table("Worker cold start and warm dispatch", [Column("what", "what"),
+                                                          Column("value", "value")], rows)
+    report.target("spawn cold start ÷ later forkserver cold start (medians)",
+                  statistics.median(spawn) / statistics.median(fork[1:]), ">=", 10, unit="x",
+                  detail="docs/functions.md measured about 100x")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--starts", type=int, default=5, help="cold starts per start method")
-    parser.add_argument("--jobs", type=int, default=300, help="warm jobs timed")
-    args = parser.parse_args(argv)
-    asyncio.run(measure(args.starts, args.jobs))
-    return 0
+    def extra(parser: Any) -> None:
+        parser.add_argument("--starts", type=int, default=None,
+                            help="cold starts per start method (default 5; smoke 1)")
+        parser.add_argument("--jobs", type=int, default=None,
+                            help="warm jobs timed (default 300; smoke 10)")
+
+    args = parse_args("worker_coldstart", __doc__.splitlines()[0], argv, extra)
+    starts = args.starts or (1 if args.smoke else 5)
+    n_jobs = args.jobs or (10 if args.smoke else 300)
+    report = Report("worker_coldstart", quick=args.quick,
+                    params={"starts": starts, "jobs": n_jobs})
+    asyncio.run(measure(report, starts, n_jobs))
+    return report.finish(save=False)  # a diagnostic: printed, never saved to results/
 
 
 if __name__ == "__main__":

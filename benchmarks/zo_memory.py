@@ -19,7 +19,7 @@ of live torch CPU allocations (the profiler's memory events; exact, torch only) 
 tracemalloc peak (Python and numpy only). The resident model (its
 float32 state, held by every case) is added to each peak: peak = model + peak growth.
 
-Run: ``python benchmarks/zo_memory.py [--quick]``.
+Run: ``python benchmarks/zo_memory.py [--quick | --smoke]``.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_case(known.case, known.hidden)), flush=True)
         return 0
     args = parse_args(NAME, __doc__.splitlines()[0], rest)
-    hidden = 2048 if args.quick else 3072
+    hidden = 64 if args.smoke else 2048 if args.quick else 3072
     report = Report(NAME, quick=args.quick, params={"hidden": hidden, "batch": BATCH,
                                                      "steps": STEPS})
     results = {}
