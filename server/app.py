@@ -158,16 +158,18 @@ class AggregatorServer:
         elif not cfg.insecure and not is_loopback(self.requested_address):
             raise ValueError(f"refusing to serve plaintext on {self.requested_address[:60]}: "
                              f"give --tls-cert and --tls-key, or --insecure")
+        loop = asyncio.get_running_loop()
+        # The backend first, before this process has a gRPC server: a local Ray forks its
+        # daemons here, and nothing is served yet that its start-up could stall.
+        self.tier = Tier.for_config(self.core.config, self.core.decoder)
+        warm_up = getattr(self.tier.backend, "warm_up", None)
+        if warm_up is not None:  # the forkserver imports torch now, not in the first push
+            await warm_up()
         server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ])
-        loop = asyncio.get_running_loop()
-        self.tier = Tier.for_config(self.core.config, self.core.decoder)
-        warm_up = getattr(self.tier.backend, "warm_up", None)
-        if warm_up is not None:  # the forkserver imports torch now, not in the first push
-            await warm_up()
         self.core.publisher = Publisher(threaded=True)
         self.core.post = loop.call_soon_threadsafe
         self.core.row_extras = self.tier.stats
