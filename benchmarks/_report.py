@@ -101,11 +101,6 @@ _SCRATCH_PLOTS: Path | None = None
 _SMOKE_DIR: Path | None = None
 
 
-def smoke_dir() -> Path | None:
-    """The ``--smoke`` output directory, or None when this is not a smoke run."""
-    return _SMOKE_DIR
-
-
 _T0 = time.perf_counter()
 
 
@@ -532,7 +527,6 @@ __all__ = [
     "progress",
     "pyplot",
     "rss_probe_available",
-    "smoke_dir",
     "time_once",
     "update_section",
 ]
