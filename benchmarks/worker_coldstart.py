@@ -8,9 +8,10 @@
 * **warm dispatch** — sequential tiny jobs on a warm worker: the round trip ``await run(...)``
   and the backend's dispatch latency (job submitted -> the worker starts running it).
 
-A small diagnostic, not part of RESULTS.md: it prints a markdown table and saves nothing
-(``--smoke`` writes its JSON to the smoke directory, as every benchmark's).
-Run: ``python benchmarks/worker_coldstart.py [--starts N] [--jobs N] [--smoke]``.
+It writes ``results/worker_coldstart.json`` and its RESULTS.md section like every benchmark;
+the one target is that forkserver starts stay far cheaper than spawn's.
+Run: ``python benchmarks/worker_coldstart.py [--quick | --smoke] [--starts N] [--jobs N]``
+(``--quick`` times the same as a full run: it takes under a minute).
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report("worker_coldstart", quick=args.quick,
                     params={"starts": starts, "jobs": n_jobs})
     asyncio.run(measure(report, starts, n_jobs))
-    return report.finish(save=False)  # a diagnostic: printed, never saved to results/
+    return report.finish(save=not args.no_save)
 
 
 if __name__ == "__main__":
