@@ -175,7 +175,8 @@ MAD_SCALE = 1.482602218505602
 
 def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
                rows: npt.NDArray[np.intp] | None = None,
-               stat_rows: npt.NDArray[np.intp] | None = None) -> FlatVector:
+               stat_rows: npt.NDArray[np.intp] | None = None,
+               extra: Stack | None = None) -> FlatVector:
     """Per coordinate, the weighted mean of the values clipped to median +- c x sigma.
 
     sigma = 1.4826 x MAD (median absolute deviation from the median), both over ``stat_rows``
@@ -188,24 +189,30 @@ def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
     when half the ``stat_rows`` are outliers.
 
     ``rows`` picks the averaged rows of ``x`` (default all), ``weights`` their weights (default
-    one each; the result divides by their sum). One sort of the ``stat_rows`` per column block
-    gives the median and the MAD (the smallest half-width of a window of sorted values that
-    holds half of them, so no second selection), then one clamp-and-sum pass over ``rows``.
+    one each; the result divides by their sum). ``extra`` rows (k, P) join the median and the
+    MAD but are not averaged: earlier updates that steady the statistic of a small buffer.
+    One sort of the ``stat_rows`` (and ``extra``) per column block gives the median and the
+    MAD (the smallest half-width of a window of sorted values that holds half of them, so no
+    second selection), then one clamp-and-sum pass over ``rows``.
     """
     if not (math.isfinite(c) and c >= 0):
         raise AggregationError(f"huber clip c must be a finite number >= 0, got {c}")
     p = x.shape[1]
     take = np.arange(x.shape[0]) if rows is None else np.asarray(rows, dtype=np.intp)
     stat = take if stat_rows is None else np.asarray(stat_rows, dtype=np.intp)
-    n, m = len(take), len(stat)
-    if n == 0 or m == 0:
+    k = 0 if extra is None else extra.shape[0]
+    if extra is not None and extra.shape != (k, p):
+        raise AggregationError(f"extra statistic rows have shape {extra.shape}, expected "
+                               f"(k, {p})")
+    n, m = len(take), len(stat) + k
+    if n == 0 or m == k:
         raise AggregationError("huber mean of no updates")
     w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
     if w.shape != (n,) or not (np.all(w >= 0) and w.sum() > 0 and np.isfinite(w.sum())):
         raise AggregationError(f"huber mean needs {n} non-negative weights with a positive sum")
     coeff = torch.from_numpy((w / w.sum()).astype(np.float32))
     all_rows = n == x.shape[0] and rows is None
-    same = stat_rows is None
+    same = stat_rows is None and k == 0
     lo_mid, hi_mid = (m - 1) // 2, m // 2
     half = m // 2 + 1  # the MAD is the half-th smallest absolute deviation
     bound = np.float32(c * MAD_SCALE)
@@ -213,7 +220,12 @@ def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
 
     def block(a: int, b: int) -> None:
         vals = x[:, a:b] if all_rows else x[take, a:b]
-        sel = vals if same else x[stat, a:b]
+        if same:
+            sel = vals
+        elif extra is not None and k:
+            sel = np.concatenate([x[stat, a:b], extra[:, a:b]])
+        else:
+            sel = x[stat, a:b]
         srt = np.ascontiguousarray(sel.T)
         srt.sort(axis=1)
         med = 0.5 * (srt[:, lo_mid] + srt[:, hi_mid])

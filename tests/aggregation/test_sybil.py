@@ -255,6 +255,7 @@ def test_bad_sybil_options_are_refused(options) -> None:
     ("sybil-cclip", {"iterations": 0}), ("default", {"max_rows": 0}),
     ("default", {"huber_c": -1.0}), ("default", {"weight_cap": 0.5}),
     ("default", {"recent": -1}), ("sybil", {"recent": 1.5}), ("default", {"norm_cap": 0.5}),
+    ("default", {"history": -1}), ("default", {"history": 2.5}),
 ])
 def test_bad_default_options_are_refused(name, options) -> None:
     with pytest.raises(AggregationError):
@@ -388,6 +389,70 @@ def test_default_takes_its_clipping_range_from_a_reproducible_subset_and_average
     np.testing.assert_allclose(results[0], expected, rtol=1e-6)
     # the range comes from the subset: with every row as statistic the result differs
     assert not np.allclose(results[0], huber_mean(x, c=agg.huber_c))
+
+
+def _feed(agg, rows, ids: list[str]) -> np.ndarray:
+    for u, cid in zip(rows, ids, strict=True):
+        agg.add(u, 1.0, client_id=cid)
+    out = agg.result()
+    np.testing.assert_array_equal(agg.result(), out)  # repeatable until reset()
+    agg.reset()
+    return out
+
+
+def test_a_small_buffer_that_attackers_fill_is_screened_with_earlier_voters() -> None:
+    # Prepare: 10 honest clients that never touch the last 20 coordinates and 3 distinct
+    # attackers that write there. Two buffers of 5 honest clients each, then a buffer of
+    # 5 in which the 3 attackers are the majority (async buffers are small samples).
+    rng = np.random.default_rng(21)
+    honest = (np.full(P, 1.0 / np.sqrt(P)) + rng.standard_normal((10, P)) / np.sqrt(P))
+    honest[:, -20:] = 0.0
+    attackers = honest[:3] + rng.standard_normal((3, P)) * 0.1 / np.sqrt(P)
+    attackers[:, -20:] = 0.2
+    h_ids, a_ids = [f"h{i}" for i in range(10)], [f"a{i}" for i in range(3)]
+    last = np.concatenate([attackers, honest[:2]]).astype(np.float32)
+    out = {}
+    for history in (0, 32):
+        agg = create_aggregator("default", P, history=history)
+        _feed(agg, honest[:5].astype(np.float32), h_ids[:5])
+        _feed(agg, honest[5:].astype(np.float32), h_ids[5:])
+        out[history] = _feed(agg, last, a_ids + h_ids[:2])
+        if history:  # the 8 honest clients not in the buffer, newest first, once each
+            assert agg.last_history == h_ids[9:1:-1]
+    # Assert: alone, the buffer's median is the attackers'; with history it is honest.
+    assert np.all(out[0][-20:] > 0.1)
+    np.testing.assert_array_equal(out[32][-20:], 0.0)
+
+
+def test_history_keeps_one_row_per_client_newest_and_at_most_history_clients() -> None:
+    rng = np.random.default_rng(22)
+    agg = create_aggregator("default", 30, history=3)
+    rows = {}
+    for t, ids in enumerate([["a", "b"], ["a", "c"], ["a", "d"], ["e", "a"]]):
+        x = rng.standard_normal((2, 30)).astype(np.float32)
+        rows.update({(cid, t): u for cid, u in zip(ids, x, strict=True)})
+        _feed(agg, x, ids)
+    # 'a' pushed four times but holds one row, its newest; 'b' and 'c' were evicted.
+    assert list(agg._past_slots) == ["d", "e", "a"]
+    for cid, t in (("d", 2), ("e", 3), ("a", 3)):
+        np.testing.assert_array_equal(agg._past[agg._past_slots[cid]], rows[cid, t])
+    _feed(agg, rng.standard_normal((2, 30)).astype(np.float32), ["a", "z"])
+    assert agg.last_history == ["e", "d"]
+
+
+def test_a_rebuilt_default_rule_matches_the_original_once_its_history_has_refilled() -> None:
+    # history rows are left out of the state: the first small buffer after a rebuild is
+    # screened without them, and once every history row was replaced the two agree again.
+    rng = np.random.default_rng(23)
+    x = [rng.standard_normal((4, 60)).astype(np.float32) for _ in range(4)]
+    first, second = [f"c{i}" for i in range(4)], [f"c{i}" for i in range(4, 8)]
+    original = create_aggregator("default", 60, history=4, dim=16)
+    _feed(original, x[0], first)
+    _feed(original, x[1], second)
+    rebuilt = create_aggregator("default", 60, history=4, dim=16)
+    rebuilt.load_state_dict(original.state_dict())
+    assert not np.array_equal(_feed(rebuilt, x[2], first), _feed(original, x[2], first))
+    np.testing.assert_array_equal(_feed(rebuilt, x[3], second), _feed(original, x[3], second))
 
 
 def test_default_gives_no_vote_to_updates_far_longer_than_the_median() -> None:
