@@ -482,8 +482,9 @@ class RobustDefault(SybilMean):
        near 20% of the 40-odd rows with history. Measured on the backdoor benchmark (async,
        buffer 10, 20% attackers), the worst seed's backdoor success fell from 12.5% to 4%.
        Earlier rows were computed on older versions, so they only steady the statistic;
-       they are never averaged again. Synchronous rounds, where every client is in the
-       buffer, see no history.
+       they are never averaged again. In a synchronous round every client votes with its
+       current row; only a client screened out this round (by its norm or as a clone) can
+       stand in with its earlier row.
 
     Assumes: fewer than half of the non-clone updates in a buffer are malicious (per
     coordinate), and a Sybil attacker's identities send near-identical updates. An attacker
