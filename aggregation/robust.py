@@ -176,7 +176,8 @@ MAD_SCALE = 1.482602218505602
 def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
                rows: npt.NDArray[np.intp] | None = None,
                stat_rows: npt.NDArray[np.intp] | None = None,
-               extra: Stack | None = None) -> FlatVector:
+               extra: Stack | None = None,
+               extra_rows: npt.NDArray[np.intp] | None = None) -> FlatVector:
     """Per coordinate, the weighted mean of the values clipped to median +- c x sigma.
 
     sigma = 1.4826 x MAD (median absolute deviation from the median), both over ``stat_rows``
@@ -189,8 +190,9 @@ def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
     when half the ``stat_rows`` are outliers.
 
     ``rows`` picks the averaged rows of ``x`` (default all), ``weights`` their weights (default
-    one each; the result divides by their sum). ``extra`` rows (k, P) join the median and the
-    MAD but are not averaged: earlier updates that steady the statistic of a small buffer.
+    one each; the result divides by their sum). The ``extra_rows`` of ``extra`` (default all;
+    read block by block, never gathered whole) join the median and the MAD but are not
+    averaged: earlier updates that steady the statistic of a small buffer.
     One sort of the ``stat_rows`` (and ``extra``) per column block gives the median and the
     MAD (the smallest half-width of a window of sorted values that holds half of them, so no
     second selection), then one clamp-and-sum pass over ``rows``.
@@ -200,10 +202,12 @@ def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
     p = x.shape[1]
     take = np.arange(x.shape[0]) if rows is None else np.asarray(rows, dtype=np.intp)
     stat = take if stat_rows is None else np.asarray(stat_rows, dtype=np.intp)
-    k = 0 if extra is None else extra.shape[0]
-    if extra is not None and extra.shape != (k, p):
+    if extra is not None and (extra.ndim != 2 or extra.shape[1] != p):
         raise AggregationError(f"extra statistic rows have shape {extra.shape}, expected "
                                f"(k, {p})")
+    more = None if extra is None else (np.arange(extra.shape[0]) if extra_rows is None
+                                       else np.asarray(extra_rows, dtype=np.intp))
+    k = 0 if more is None else len(more)
     n, m = len(take), len(stat) + k
     if n == 0 or m == k:
         raise AggregationError("huber mean of no updates")
@@ -222,8 +226,8 @@ def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
         vals = x[:, a:b] if all_rows else x[take, a:b]
         if same:
             sel = vals
-        elif extra is not None and k:
-            sel = np.concatenate([x[stat, a:b], extra[:, a:b]])
+        elif extra is not None and more is not None and k:
+            sel = np.concatenate([x[stat, a:b], extra[more, a:b]])
         else:
             sel = x[stat, a:b]
         srt = np.ascontiguousarray(sel.T)

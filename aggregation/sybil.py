@@ -524,9 +524,11 @@ class RobustDefault(SybilMean):
         self.last_stat_rows: npt.NDArray[np.intp] = np.zeros(0, dtype=np.intp)
         self.last_history: list[str] = []  # clients whose earlier rows joined the statistic
         self.history = int(history)
-        self._past = np.empty((0, size), dtype=np.float32)  # grows to history rows
+        # np.empty reserves address space only: pages are touched as clients fill the rows.
+        self._past = np.empty((self.history, size), dtype=np.float32)
         self._past_slots: OrderedDict[str, int] = OrderedDict()  # client -> row, oldest first
-        self._pending: list[tuple[str, FlatVector]] = []  # this buffer's voters, at reset()
+        # This buffer's voters (views of its rows, which stay put until reset()).
+        self._pending: list[tuple[str, FlatVector]] = []
         self._noted = False
 
     def voters(self, s: Floats, norms: Floats) -> npt.NDArray[np.intp]:
@@ -560,12 +562,12 @@ class RobustDefault(SybilMean):
         extra = self._history_rows(x, ids, rows)
         return huber_mean(x, c=self.huber_c, weights=w,
                           rows=None if rows.size == x.shape[0] else rows, stat_rows=stat,
-                          extra=extra)
+                          extra=None if extra is None else self._past, extra_rows=extra)
 
     def _history_rows(self, x: Stack, ids: list[str], rows: npt.NDArray[np.intp]
-                      ) -> Stack | None:
-        """Earlier rows for this buffer's statistic (newest first, clients not in the buffer,
-        up to ``max_rows`` rows in all); notes this buffer's voters for :meth:`reset`."""
+                      ) -> npt.NDArray[np.intp] | None:
+        """Rows of the history for this buffer's statistic (newest first, clients not in the
+        buffer, up to ``max_rows`` rows in all); notes this buffer's voters for :meth:`reset`."""
         if self.history == 0:
             return None
         here = {ids[r] for r in rows}
@@ -573,31 +575,23 @@ class RobustDefault(SybilMean):
             # Newest row per identified client; anonymous rows have no identity to count once.
             latest = {ids[r]: int(r) for r in rows if ids[r]}
             keep = list(latest.items())[-self.history:]
-            self._pending = [(cid, x[r].copy()) for cid, r in keep]
+            self._pending = [(cid, x[r]) for cid, r in keep]
             self._noted = True
         room = self.max_rows - self.last_stat_rows.size
         picked = [cid for cid in reversed(self._past_slots) if cid not in here][:max(room, 0)]
         self.last_history = picked
         if not picked:
             return None
-        return self._past[[self._past_slots[cid] for cid in picked]]
-
+        return np.array([self._past_slots[cid] for cid in picked], dtype=np.intp)
 
     def reset(self) -> None:
         """Clear the buffer; its voters' rows become the newest history."""
         super().reset()
         for cid, row in self._pending:
             slot = self._past_slots.pop(cid, None)
-            if slot is None:
-                if len(self._past_slots) < self.history:
-                    slot = len(self._past_slots)
-                    if slot == self._past.shape[0]:
-                        grown = np.empty((min(self.history, max(8, 2 * slot)), self.size),
-                                         dtype=np.float32)
-                        grown[:slot] = self._past
-                        self._past = grown
-                else:  # evict the client whose newest row is oldest
-                    _, slot = self._past_slots.popitem(last=False)
+            if slot is None:  # a free row while there is one, else the oldest client's
+                slot = len(self._past_slots) if len(self._past_slots) < self.history \
+                    else self._past_slots.popitem(last=False)[1]
             self._past[slot] = row
             self._past_slots[cid] = slot
         self._pending = []

@@ -339,3 +339,15 @@ def test_every_rule_is_registered() -> None:
     from murmura.aggregation import available_aggregators
 
     assert set(RULES) <= set(available_aggregators())
+
+
+def test_huber_mean_extra_rows_join_the_statistic_only() -> None:
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((5, 40)).astype(np.float32)
+    past = rng.standard_normal((6, 40)).astype(np.float32) + 3.0
+    pick = np.array([4, 0, 2])
+    got = robust.huber_mean(x, c=1.0, extra=past, extra_rows=pick)
+    stacked = np.concatenate([x, past[pick]])
+    expected = robust.huber_mean(stacked, c=1.0, rows=np.arange(5), stat_rows=np.arange(8))
+    np.testing.assert_array_equal(got, expected)
+    assert not np.allclose(got, robust.huber_mean(x, c=1.0))  # the extra rows moved the range
