@@ -22,6 +22,10 @@ updates in (receive, decode, check, fold), not publishing. Then:
   identical; time per version is reported;
 * **Ray** — the int8 load through ``backend=ray`` on a local Ray (reported, not a target).
 
+Each load runs :data:`REPEATS` times per path, the two paths alternating; a throughput target is
+the median of the per-pair ratios (one pair alone varies by more than the margins at stake on a
+shared VM), and the latency targets take the worst run.
+
 Run: ``python benchmarks/serverless.py [--quick | --smoke]``.
 """
 
@@ -51,6 +55,10 @@ LOADS = {  # name -> (model size, codec, codec options)
 }
 SEED_STEPS = 300
 TARGETS = {"int8": 1.3, "topk": 1.3, "seed": 1.7}
+#: Runs of each path per load, alternating in-process / workers. On the shared 2-core VM one
+#: pair's ratio moved between 1.11x and 1.54x from run to run (int8, 2026-11-23); the target is
+#: the median of the pairs' ratios, and every pair is in the JSON.
+REPEATS = 3
 PROBE_PERIOD_S = 0.02
 IDLE_S = 30.0
 #: --smoke: the same loads, paths and processes at toy sizes (and a token idle period)
@@ -300,6 +308,20 @@ def measure(load: str, workers: int, payloads: list[bytes], codec: str, *,
         server.stop()
 
 
+def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One table row from repeated runs of a path: the median throughput, the worst p99
+    latencies, and the last run's idle and pool figures (only the last run idles)."""
+    row = dict(runs[-1])
+    rates = [r["updates_per_s"] for r in runs]
+    row["updates_per_s"] = float(np.median(rates))
+    row["runs_updates_per_s"] = rates
+    row["runs_text"] = " / ".join(f"{x:.1f}" for x in rates)
+    row["task_p99_ms"] = max(r["task_p99_ms"] for r in runs)
+    row["join_p99_ms"] = max(r["join_p99_ms"] for r in runs)
+    row["seconds"] = sum(r["seconds"] for r in runs)
+    return row
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
@@ -403,17 +425,25 @@ def run(argv: list[str] | None = None) -> int:
                                       for k, v in LOADS.items()},
         "seed_steps": SEED_STEPS, "pushes": pushes, "probe_period_s": PROBE_PERIOD_S,
         "idle_s": IDLE_S})
+    reps = 1 if args.smoke else REPEATS
     rows: list[dict[str, Any]] = []
     for load in LOADS:
         progress(f"{load}: encoding {pushes[load]} updates")
         codec, payloads = make_payloads(load, pushes[load])
-        for workers in (0, -1):
-            progress(f"{load}: {_path_name(workers, 'process')}")
-            row = measure(load, workers, payloads, codec)
-            rows.append(row)
-            progress(f"  {row['updates_per_s']:.2f} updates/s, GetTask p99 "
-                     f"{row['task_p99_ms']:.1f} ms, Join p99 {row['join_p99_ms']:.1f} ms, "
-                     f"idle CPU {row.get('idle_cpu_s', 0):.2f} s")
+        runs: dict[int, list[dict[str, Any]]] = {0: [], -1: []}
+        for rep in range(reps):  # the two paths alternate, so a slow spell hits both
+            for workers in (0, -1):
+                progress(f"{load}: {_path_name(workers, 'process')}, run {rep + 1} of {reps}")
+                row = measure(load, workers, payloads, codec, idle=rep == reps - 1)
+                runs[workers].append(row)
+                progress(f"  {row['updates_per_s']:.2f} updates/s, GetTask p99 "
+                         f"{row['task_p99_ms']:.1f} ms, Join p99 {row['join_p99_ms']:.1f} ms")
+        ratios = [t["updates_per_s"] / p["updates_per_s"]
+                  for p, t in zip(runs[0], runs[-1], strict=True)]
+        peer, ours = combine_runs(runs[0]), combine_runs(runs[-1])
+        ours["vs_in_process"] = float(np.median(ratios))
+        ours["run_ratios"] = ratios
+        rows += [peer, ours]
     ray_row = None
     try:
         import ray  # noqa: F401
@@ -428,6 +458,7 @@ def run(argv: list[str] | None = None) -> int:
             progress(f"  Ray row failed ({exc}); trying once more")
             report.note(f"The Ray row needed a second try: the first failed ({exc}).")
             ray_row = measure("int8", -1, payloads, codec, backend="ray", idle=False)
+        ray_row["runs_text"] = f"{ray_row['updates_per_s']:.1f}"  # one run: reported only
         rows.append(ray_row)
     except ImportError:
         report.note("Ray is not installed here (`pip install \"murmura[ray]\"`): no Ray row.")
@@ -435,13 +466,10 @@ def run(argv: list[str] | None = None) -> int:
     tree = hierarchy(1 if args.smoke else 3 if quick else 10)
 
     by = {(r["load"], r["path"]): r for r in rows}
-    for load in LOADS:
-        ours = by[(load, "2 worker processes")]
-        peer = by[(load, "in-process (workers 0)")]
-        ours["vs_in_process"] = ours["updates_per_s"] / peer["updates_per_s"]
     cols = [Column("load", "load"), Column("path", "decoding"), Column("pushes", "pushes"),
-            Column("updates_per_s", "updates/s", "{:.2f}"),
-            Column("vs_in_process", "÷ in-process", "{:.2f}x"),
+            Column("updates_per_s", "updates/s (median)", "{:.2f}"),
+            Column("runs_text", "updates/s per run"),
+            Column("vs_in_process", "÷ in-process (median)", "{:.2f}x"),
             Column("task_p99_ms", "GetTask p99 ms", "{:.1f}"),
             Column("join_p99_ms", "Join p99 ms", "{:.1f}"),
             Column("idle_cpu_s", f"idle CPU s / {IDLE_S:g} s", "{:.2f}"),
@@ -457,12 +485,15 @@ def run(argv: list[str] | None = None) -> int:
                   Column("tree_s_per_version", "3 levels s/version", "{:.3f}")], [tree])
     for load, goal in TARGETS.items():
         r = by[(load, "2 worker processes")]
+        per_run = " / ".join(f"{x:.2f}" for x in r["run_ratios"])
         report.target(f"{load}: updates/s with 2 workers ÷ in-process", r["vs_in_process"],
-                      ">=", goal, unit="x")
+                      ">=", goal, unit="x",
+                      detail=(f"median of {len(r['run_ratios'])} alternating pairs: {per_run}"
+                              if len(r["run_ratios"]) > 1 else "one pair"))
     tier_rows = [r for r in rows if r["path"] == "2 worker processes"]
-    report.target("GetTask p99 under load (worst load, 2 workers)",
+    report.target("GetTask p99 under load (worst load, 2 workers, worst run)",
                   max(r["task_p99_ms"] for r in tier_rows), "<=", 50, unit="ms")
-    report.target("Join p99 under load (worst load, 2 workers)",
+    report.target("Join p99 under load (worst load, 2 workers, worst run)",
                   max(r["join_p99_ms"] for r in tier_rows), "<=", 50, unit="ms")
     report.target(f"idle CPU seconds in {IDLE_S:g} s after the load (worst load, 2 workers)",
                   max(r["idle_cpu_s"] for r in tier_rows), "<=", 0.3, unit="s")
@@ -479,6 +510,9 @@ def run(argv: list[str] | None = None) -> int:
         f"(`--max-workers 2`). Both run on the same 2-core machine as the load generator. "
         f"Idle: CPU seconds of the server process and its descendants over {IDLE_S:g} s "
         f"without clients, right after the load (workers stop after `--worker-idle-s`, 10 s). "
+        f"Each path ran {reps} times per load, alternating with the other; updates/s is "
+        f"the median run, '÷ in-process' the median of the pairs' ratios, p99 the worst "
+        f"run's, and the idle period follows the last run. "
         f"'submit → start' is the pool's mean time from a job's submission to a warm worker "
         f"starting it, queueing included (4 pushers, 2 workers: slow jobs wait).")
     report.note(
