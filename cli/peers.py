@@ -54,9 +54,20 @@ def cmd_peer(args: argparse.Namespace) -> int:
         runtime.close()
         return 2
     print(f"murmura peer {cfg.identity()} listening on {address}", flush=True)
+    if not cfg.bootstrap_list() and gossip.min_peers <= 1:
+        # Legitimate for the first peer of a network, and a surprise for anyone who forgot
+        # --bootstrap: say what is about to happen and how to change it.
+        print(f"murmura peer {cfg.identity()}: no --bootstrap, so this is the first peer of a "
+              f"new network and it starts training at once; other peers join with "
+              f"--bootstrap {address} (give --min-peers N to wait for N-1 of them first)",
+              file=sys.stderr, flush=True)
     stats = runtime.run()
     print(f"peer {cfg.identity()}: {stats.rounds} rounds, {stats.sent} models sent, "
           f"{stats.received} received, {stats.send_failures} failed sends", flush=True)
+    if stats.rounds and not stats.sent and not stats.received:
+        print(f"murmura peer {cfg.identity()}: warning: no other peer was ever reached, so "
+              f"this model was trained on this peer's data share alone", file=sys.stderr,
+              flush=True)
     return 0
 
 

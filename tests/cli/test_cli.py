@@ -166,3 +166,25 @@ def test_gossip_rows_do_not_wait_for_a_round_a_peer_jumped_past(tmp_path) -> Non
 
     assert [r["round"] for r in rows] == [1, 2, 3]
     assert rows[0]["peers"] == 1 and rows[2]["peers"] == 2 and rows[2]["accuracy"] == 0.6
+
+
+def test_a_lone_peer_says_it_is_the_first_and_warns_that_it_trained_alone(tmp_path) -> None:
+    """Forgetting --bootstrap must not pass silently: without it the peer says it starts a
+    new network (and how others join); a peer that never reached anyone says so at the end.
+    With --min-peers it waits instead, so only the end-of-run warning is printed."""
+    base = [sys.executable, "-m", "murmura", "peer", "--listen", "127.0.0.1:0", "--rounds", "1",
+            "--local-steps", "1"]
+    first = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=tmp_path)
+    waiting = subprocess.Popen([*base, "--min-peers", "2", "--start-timeout-s", "0.5"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=tmp_path)
+    out1, err1 = first.communicate(timeout=120)
+    out2, err2 = waiting.communicate(timeout=120)
+    assert first.returncode == waiting.returncode == 0, (err1, err2)
+    address = out1.split("listening on ")[1].split()[0]
+    assert "first peer of a new network" in err1 and f"--bootstrap {address}" in err1
+    assert "first peer of a new network" not in err2
+    for err in (err1, err2):
+        assert "warning: no other peer was ever reached" in err
+    assert "1 rounds, 0 models sent, 0 received" in out1
