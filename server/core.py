@@ -841,7 +841,9 @@ class AggregatorCore:
             finally:
                 if release is not None:
                     release()
-        self.publisher.submit(run).add_done_callback(_log_fold_error)
+        # Decoded updates are checked before they are folded, so an error here is a bug,
+        # not bad input: it is logged and the update is not in the aggregate.
+        self.publisher.post(run, what="folding an update (it is not in the aggregate)")
 
     def publish(self, aggregator: Aggregator, *, updates: int, round_id: int = 0) -> None:
         """Make what ``aggregator`` holds the next global version (a leaf: send it upstream).
@@ -1025,13 +1027,6 @@ def link_current(out: Path, name: str, current: Path) -> None:
     for p in (out / VERSIONS_DIR).glob("v*.npz"):
         if p.name != target.name:
             p.unlink(missing_ok=True)
-
-
-def _log_fold_error(fut: Any) -> None:
-    # Decoded updates are checked before they are folded, so this is a bug, not bad input.
-    exc = fut.exception()
-    if exc is not None:
-        log.error("folding an update failed; it is not in the aggregate", exc_info=exc)
 
 
 def evaluator_for(model_factory: Callable[[], Any], spec: ModelSpec, data: Any,

@@ -97,7 +97,8 @@ def check_header(header: UpdateHeader) -> UpdateHeader:
                               f"{MAX_METRICS} are allowed")
     for name, value in header.metrics.items():
         check_text("a metric name", name, MAX_NAME)
-        check_number(f"metric {quote(name)}", value)
+        if not math.isfinite(value):  # the message is built only for a refusal
+            check_number(f"metric {quote(name)}", value)
     return header
 
 

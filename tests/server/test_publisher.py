@@ -66,3 +66,22 @@ def test_close_finishes_queued_jobs_then_refuses_new_ones() -> None:
     assert done == [0, 1, 2, 3, 4]
     with pytest.raises(RuntimeError, match="closed"):
         pub.submit(lambda: None)
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_post_runs_in_order_and_logs_a_failure_without_stopping_later_jobs(threaded, caplog
+                                                                            ) -> None:
+    pub = Publisher(threaded=threaded)
+    seen: list[int] = []
+    try:
+        with caplog.at_level("ERROR", logger="murmura.server.publisher"):
+            pub.post(lambda: seen.append(1), what="job one")
+            pub.post(lambda: 1 / 0, what="the broken job")
+            pub.post(lambda: seen.append(3), what="job three")
+            pub.drain(timeout=10)
+    finally:
+        pub.close()
+    assert seen == [1, 3]
+    failures = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(failures) == 1 and "the broken job failed" in failures[0].getMessage()
+    assert failures[0].exc_info is not None and failures[0].exc_info[0] is ZeroDivisionError
