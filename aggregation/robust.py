@@ -205,11 +205,11 @@ def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
     if extra is not None and (extra.ndim != 2 or extra.shape[1] != p):
         raise AggregationError(f"extra statistic rows have shape {extra.shape}, expected "
                                f"(k, {p})")
-    more = None if extra is None else (np.arange(extra.shape[0]) if extra_rows is None
-                                       else np.asarray(extra_rows, dtype=np.intp))
-    k = 0 if more is None else len(more)
+    more = (np.zeros(0, dtype=np.intp) if extra is None else np.arange(extra.shape[0])
+            if extra_rows is None else np.asarray(extra_rows, dtype=np.intp))
+    k = len(more)
     n, m = len(take), len(stat) + k
-    if n == 0 or m == k:
+    if n == 0 or len(stat) == 0:
         raise AggregationError("huber mean of no updates")
     w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
     if w.shape != (n,) or not (np.all(w >= 0) and w.sum() > 0 and np.isfinite(w.sum())):
@@ -226,7 +226,7 @@ def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
         vals = x[:, a:b] if all_rows else x[take, a:b]
         if same:
             sel = vals
-        elif extra is not None and more is not None and k:
+        elif extra is not None and k:
             sel = np.concatenate([x[stat, a:b], extra[more, a:b]])
         else:
             sel = x[stat, a:b]

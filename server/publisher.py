@@ -62,8 +62,8 @@ class Publisher:
 
     def post(self, fn: Callable[[], Any], *, what: str) -> None:
         """Run ``fn`` like :meth:`submit` when nobody waits for its outcome: an error is
-        logged (naming ``what``), not kept. Inline, this spares a Future per job, which is
-        most of a small fold's cost in a simulation of thousands of clients."""
+        logged (naming ``what``), not kept. Inline (the simulator, one fold per client
+        update), this spares a Future and its lock per job that nobody would read."""
         if self.threaded:
             self.submit(fn).add_done_callback(lambda fut: _log_error(fut.exception(), what))
             return
