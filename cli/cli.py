@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import difflib
 import logging
 import signal
 import subprocess
@@ -805,9 +806,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return parser
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """"; did you mean --x?" for the first unknown flag close to one of ``parser``'s."""
+    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    for word in extra:
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.75)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the subcommand's help, and the flag a typo was probably meant to be
+        command = _subcommand(parser, args.command)
+        command.error(f"unrecognized arguments: {' '.join(extra)}"
+                      + _did_you_mean(command, extra))
     from murmura.validate import UsageError, validate
 
     try:

@@ -143,6 +143,24 @@ def test_argparse_errors_are_one_line_too() -> None:
     assert exit_.value.code == 2
 
 
+@pytest.mark.parametrize("argv, fragments", [
+    (["server", "--port", "99"], ["unrecognized arguments: --port 99",
+                                  "(see murmura server --help)"]),
+    (["simulate", "--clients=5", "--max-version", "3", "--gosip"],
+     ["unrecognized arguments: --gosip", "did you mean --gossip?", "murmura simulate --help"]),
+    (["run", "stray"], ["unrecognized arguments: stray", "(see murmura run --help)"]),
+])
+def test_an_unknown_flag_names_the_subcommand_help_and_the_likely_flag(
+        argv: list[str], fragments: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("murmura: error: "), err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
 @pytest.mark.parametrize("toml, fragments", [
     ("[server.train]\ncodek = 'int8'\n", ["unknown key 'codek' in [server.train]", "codec"]),
     ("[client]\nservr = '127.0.0.1:1'\n", ["unknown key 'servr' in [client]"]),
