@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from murmura.protocols.codecs._util import (
     F16_MAX,
@@ -153,11 +154,40 @@ class _QuantCodec(Codec):
         # bit-identical to converting first and scaling after)
         full = (size // self.block) * self.block
         nfull = size // self.block
-        np.multiply(codes[:full].reshape(nfull, self.block), scales[:nfull, None],
-                    out=out[:full].reshape(nfull, self.block))
+        _scale_codes(codes[:full].reshape(nfull, self.block), scales[:nfull, None],
+                     out[:full].reshape(nfull, self.block))
         if full < size:
             np.multiply(codes[full:], scales[-1], out=out[full:])
         return codes, scales
+
+
+#: From this many codes the scaling runs in torch: a widening copy into ``out`` and an
+#: in-place multiply took 4.3-5.9 ms for 10M codes on one core, NumPy's mixed-dtype multiply
+#: 8.2-8.6 ms (it casts the int8 operand through small buffers). Below it NumPy's call is
+#: cheaper. Both round once (int8 -> float32 is exact), so the results are bit-identical.
+_TORCH_SCALE_FROM = 1 << 20
+
+
+def _scale_codes(codes: npt.NDArray[np.int8], scales: npt.NDArray[np.float32],
+                 out: npt.NDArray[np.float32]) -> None:
+    """``out = codes * scales`` (scales broadcast along rows), on the calling thread only.
+
+    Read-only inputs (a payload in ``bytes``) take NumPy: torch would warn on them.
+    """
+    if (codes.size < _TORCH_SCALE_FROM or not codes.flags.writeable
+            or not scales.flags.writeable):
+        np.multiply(codes, scales, out=out)
+        return
+    threads = torch.get_num_threads()
+    if threads != 1:  # decoders run on one thread (a worker, or the gateway's loop)
+        torch.set_num_threads(1)
+    try:
+        target = torch.from_numpy(out)
+        target.copy_(torch.from_numpy(codes))
+        target.mul_(torch.from_numpy(scales))
+    finally:
+        if threads != 1:
+            torch.set_num_threads(threads)
 
 
 #: Rows whose largest code :func:`_max_abs` reads first (those with the largest scales).

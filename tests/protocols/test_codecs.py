@@ -238,6 +238,26 @@ def test_int8_code_minus_128_is_refused() -> None:
         codec.decode(payload[:11] + b"\x80" + payload[12:], 10)
 
 
+@pytest.mark.parametrize("name, options", [("int8", {}), ("int8", {"scale": "f16"}),
+                                           ("int4", {"block": "100"})])
+def test_large_payloads_decode_bit_identically_on_both_scaling_paths(
+        name: str, options: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """From quant._TORCH_SCALE_FROM codes a writable payload is scaled in torch; NumPy's
+    multiply (small or read-only payloads) must give the same bits, short last block too."""
+    size = quant._TORCH_SCALE_FROM + 37
+    codec = create_codec(name, options)
+    x = (np.random.default_rng(3).standard_normal(size) * 1e-2).astype(np.float32)
+    payload = codec.encoder(size, seed=0).encode(x)
+    torch_path = codec.decode(memoryview(bytearray(payload)), size)
+    monkeypatch.setattr(quant, "_TORCH_SCALE_FROM", size + 1)
+    numpy_path = codec.decode(memoryview(bytearray(payload)), size)
+    assert torch_path.dtype == numpy_path.dtype == np.float32
+    assert np.array_equal(torch_path.view(np.int32), numpy_path.view(np.int32))
+    assert np.array_equal(codec.decode(bytes(payload), size).view(np.int32),
+                          numpy_path.view(np.int32))
+    assert np.abs(torch_path - x).max() < 1e-2 * 6 / (127 if name == "int8" else 7)
+
+
 def test_int4_packs_two_codes_per_byte_and_checks_nibbles() -> None:
     codec = create_codec("int4")
     payload, _ = _roundtrip(codec, _vector(5))
