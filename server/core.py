@@ -63,7 +63,6 @@ from murmura.server.errors import (
 )
 from murmura.server.limits import (
     MAX_ID,
-    MAX_SESSION,
     MAX_TOKEN,
     check_header,
     check_profile,
@@ -373,8 +372,7 @@ class AggregatorCore:
 
     def _record(self, session: str) -> ClientRecord:
         """The session's client, which is now seen (it expires ``session_ttl_s`` later)."""
-        if len(session) > MAX_SESSION:
-            check_session(session)  # raises
+        check_session(session)
         rec = self.sessions.get(session)
         if rec is None:
             if session in self._left:
