@@ -8,12 +8,14 @@ another format version or other options, instead of garbage that happens to have
 
 from __future__ import annotations
 
+import contextlib
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from murmura.protocols.codecs.base import CodecError, FlatVector
 
@@ -27,6 +29,20 @@ HEADER_BYTES = HEADER.size
 #: Scale or value dtypes selectable with ``scale=`` / ``values=``, little-endian on the wire.
 FLOAT_DTYPES: dict[str, np.dtype[np.floating]] = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2")}
 F16_MAX = float(np.finfo(np.float16).max)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch's intra-op threads lowered to one for the block, on the calling thread only
+    (OpenMP's count is per thread): a decoder runs on one core, a worker's or the loop's."""
+    threads = torch.get_num_threads()
+    if threads != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads != 1:
+            torch.set_num_threads(threads)
 
 
 def pack_header(tag: int, flags: int) -> bytes:

@@ -30,6 +30,7 @@ from murmura.protocols.codecs._util import (
     check_header,
     check_size,
     check_update,
+    one_torch_thread,
     pack_header,
     parse_choice,
     read_floats,
@@ -178,16 +179,10 @@ def _scale_codes(codes: npt.NDArray[np.int8], scales: npt.NDArray[np.float32],
             or not scales.flags.writeable):
         np.multiply(codes, scales, out=out)
         return
-    threads = torch.get_num_threads()
-    if threads != 1:  # decoders run on one thread (a worker, or the gateway's loop)
-        torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         target = torch.from_numpy(out)
         target.copy_(torch.from_numpy(codes))
         target.mul_(torch.from_numpy(scales))
-    finally:
-        if threads != 1:
-            torch.set_num_threads(threads)
 
 
 #: Rows whose largest code :func:`_max_abs` reads first (those with the largest scales).

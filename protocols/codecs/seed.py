@@ -44,6 +44,7 @@ from murmura.protocols.codecs._util import (
     HEADER_BYTES,
     check_header,
     check_size,
+    one_torch_thread,
     pack_header,
     parse_choice,
 )
@@ -182,30 +183,23 @@ def _apply_steps_cpu(theta: torch.Tensor, steps: list[tuple[int, float]], block:
     values = torch.empty(32 * max_words, dtype=torch.float32)
     table = torch.empty_like(prng._TABLE_CPU)
     as_bytes = torch.from_numpy(words.view(np.uint8))  # little-endian: byte q = bits 8q..8q+7
-    threads = torch.get_num_threads()
-    if threads != 1:
-        torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            for start in range(0, size, block):
-                n = min(block, size - start)
-                first, last = start >> 5, (start + n - 1) >> 5
-                count, skip = last - first + 1, start & 31
-                part = theta[start : start + n]
-                block_words, block_bytes = words[:count], as_bytes[: 4 * count]
-                block_index = index[: 4 * count]
-                block_values = values[: 32 * count]
-                rows = block_values.view(-1, 8)
-                z = block_values[skip : skip + n]
-                for (_, coeff), stream in zip(steps, keys, strict=True):
-                    prng.hash_words_into(stream, first, block_words, scratch, counter)
-                    block_index.copy_(block_bytes)
-                    torch.mul(prng._TABLE_CPU, coeff, out=table)  # +-coeff: exact
-                    torch.index_select(table, 0, block_index, out=rows)
-                    part.add_(z)
-    finally:
-        if threads != 1:
-            torch.set_num_threads(threads)
+    with one_torch_thread(), torch.no_grad():
+        for start in range(0, size, block):
+            n = min(block, size - start)
+            first, last = start >> 5, (start + n - 1) >> 5
+            count, skip = last - first + 1, start & 31
+            part = theta[start : start + n]
+            block_words, block_bytes = words[:count], as_bytes[: 4 * count]
+            block_index = index[: 4 * count]
+            block_values = values[: 32 * count]
+            rows = block_values.view(-1, 8)
+            z = block_values[skip : skip + n]
+            for (_, coeff), stream in zip(steps, keys, strict=True):
+                prng.hash_words_into(stream, first, block_words, scratch, counter)
+                block_index.copy_(block_bytes)
+                torch.mul(prng._TABLE_CPU, coeff, out=table)  # +-coeff: exact
+                torch.index_select(table, 0, block_index, out=rows)
+                part.add_(z)
 
 
 @dataclass(frozen=True)
