@@ -90,25 +90,24 @@ Curve = list[float | None]  # accuracy after each round; None where it was not e
 def gaps_by_round(base: list[float], plain: Curve, weighted: Curve | None) -> str:
     """FedAvg minus gossip accuracy, in points, after each checkpoint round within the run
     and the last one, for equal and (when run) example-weighted mixing."""
-    last = min(len(base), len(plain), len(weighted if weighted is not None else plain))
+    runs = [(plain, "points with equal mixing weights", "equal")]
+    if weighted is not None:
+        runs.append((weighted, "with weights by examples", "by examples"))
+    last = min(len(base), *(len(curve) for curve, _, _ in runs))
     marks = sorted({k for k in CHECKPOINTS if k <= last} | {last})
 
-    def row(curve: Curve) -> str:
+    def gaps(curve: Curve) -> str:
         return " / ".join("n/a" if curve[k - 1] is None
                           else f"{100 * (base[k - 1] - curve[k - 1]):+.1f}" for k in marks)
 
-    def lag(curve: Curve) -> str:
+    def lags(curve: Curve) -> str:
         return " / ".join(rounds_to_reach(curve, base[k - 1]) for k in marks)
 
-    text = (f"after {' / '.join(map(str, marks))} rounds: {row(plain)} points with equal "
-            "mixing weights")
-    if weighted is not None:
-        text += f", {row(weighted)} with weights by examples"
-    text += (f" (FedAvg {' / '.join(f'{base[k - 1]:.3f}' for k in marks)}). Rounds gossip "
-             f"needs to reach FedAvg's accuracy of those rounds: {lag(plain)} (equal")
-    if weighted is not None:
-        text += f"), {lag(weighted)} (by examples"
-    return text + ")."
+    return (f"after {' / '.join(map(str, marks))} rounds: "
+            + ", ".join(f"{gaps(curve)} {label}" for curve, label, _ in runs)
+            + f" (FedAvg {' / '.join(f'{base[k - 1]:.3f}' for k in marks)}). Rounds gossip "
+            "needs to reach FedAvg's accuracy of those rounds: "
+            + ", ".join(f"{lags(curve)} ({short})" for curve, _, short in runs) + ".")
 
 
 def rounds_to_reach(curve: Curve, level: float) -> str:
