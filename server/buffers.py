@@ -54,6 +54,15 @@ class ReceiveBuffer:
             raise ValueError("the buffer was released")
         return self._array.data[: self.nbytes]
 
+    def floats(self, count: int) -> np.ndarray:
+        """The first ``count`` float32 values of the buffer, as a writable array (a decoder's
+        output; like :attr:`view`, it keeps the buffer out of the pool while it lives)."""
+        if self._array is None:
+            raise ValueError("the buffer was released")
+        if 4 * count > self.nbytes:
+            raise ValueError(f"{count} float32 values do not fit a {self.nbytes}-byte buffer")
+        return self._array[: 4 * count].view(np.float32)
+
     def write(self, offset: int, data: bytes | memoryview) -> None:
         """Copy ``data`` in at ``offset`` (numpy copies without holding the GIL)."""
         if self._array is None:

@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from murmura.aggregation import BufferedAggregator
+from murmura.aggregation import base as aggregation_base
 from murmura.client import GrpcTransport
 from murmura.protocols import DeviceProfile, ModelSpec, TensorSpec, UpdateHeader
 from murmura.server import AggregatorCore, ServerConfig, ServerThread
@@ -211,3 +213,120 @@ def test_a_refused_push_leaves_the_pool_usable(serve) -> None:
     version, params = _model(srv)
     assert version == 1 and np.all(params == 2.0)
     assert _pool_stats(srv)["withheld"] <= 1  # a refusal's traceback may keep its buffer
+
+
+# -- decoder outputs (in-process path) -----------------------------------------------------------
+
+
+def test_floats_is_a_bounded_float32_view_of_the_buffer() -> None:
+    pool = BufferPool()
+    lease = pool.acquire(BIG)
+    values = lease.floats(BIG // 4)
+    values[:] = 2.5
+    assert values.dtype == np.float32 and np.frombuffer(lease.view, "<f4")[0] == 2.5
+    with pytest.raises(ValueError, match="do not fit"):
+        lease.floats(BIG // 4 + 1)
+    assert not pool.release(lease)  # ``values`` still points into it
+    del values
+
+
+def _push_int8(t: GrpcTransport, session: str, update: np.ndarray, *, n: int, round_: int,
+               base: int = 0) -> np.ndarray:
+    """Push ``update`` as int8; returns what the server must decode it to."""
+    from murmura.protocols import create_codec
+
+    codec = create_codec("int8")
+    payload = codec.encoder(P, seed=0).encode(update)
+    header = UpdateHeader(session=session, update_id=uuid.uuid4().hex, base_version=base,
+                          round=round_, num_examples=n, codec="int8", payload_bytes=len(payload),
+                          spec_fingerprint=ModelSpec((TensorSpec("w", (P,)),)).fingerprint())
+    assert not t.push(header, payload).duplicate
+    return codec.decode(payload, P)
+
+
+def _output_stats(srv: ServerThread) -> dict[str, int]:
+    def read() -> dict[str, int]:
+        assert srv.server is not None
+        pool = srv.server.servicer.tier.outputs
+        return {"allocated": pool.allocated, "reused": pool.reused, "free": pool.free}
+    return srv.call(read)
+
+
+def test_held_int8_updates_keep_their_decoded_values_while_later_ones_decode(serve) -> None:
+    # As with payloads: c and b wait for a in their decoder outputs, which must not be reused
+    # for a's decode, and come back to the pool once folded.
+    srv, t = serve(min_clients=3)
+    sessions = {c: t.join(c, DeviceProfile())[0].session for c in ("a", "b", "c")}
+    rng = np.random.default_rng(7)
+    for rnd, base in ((1, 0), (2, 1)):
+        for s in sessions.values():
+            assert t.task(s, base).action.name == "TRAIN"
+        decoded = {c: _push_int8(t, sessions[c], rng.standard_normal(P, dtype=np.float32),
+                                 n=1, round_=rnd, base=base) for c in ("c", "b")}
+        if rnd == 1:
+            assert _output_stats(srv) == {"allocated": 2, "reused": 0, "free": 0}
+        _, before = _model(srv)
+        decoded["a"] = _push_int8(t, sessions["a"], rng.standard_normal(P, dtype=np.float32),
+                                  n=1, round_=rnd, base=base)
+        version, params = _model(srv)
+        acc = np.zeros(P, np.float32)
+        for c in ("a", "b", "c"):
+            acc += decoded[c]
+        assert version == rnd
+        np.testing.assert_allclose(params, before + acc / np.float32(3), rtol=1e-5, atol=1e-6)
+    stats = _output_stats(srv)
+    assert stats["reused"] >= 2 and stats["allocated"] <= 4 and stats["free"] == 2
+
+
+def test_async_int8_pushes_decode_into_one_reused_output(serve) -> None:
+    srv, t = serve(mode="async", buffer_size=4, max_staleness=10)
+    session = t.join("a", DeviceProfile())[0].session
+    rng = np.random.default_rng(8)
+    decoded = []
+    for _ in range(4):
+        assert t.task(session, 0).action.name == "TRAIN"
+        decoded.append(_push_int8(t, session, rng.standard_normal(P, dtype=np.float32), n=2,
+                                  round_=0))
+    assert _output_stats(srv) == {"allocated": 1, "reused": 3, "free": 1}
+    version, params = _model(srv)
+    assert version == 1
+    np.testing.assert_allclose(params, np.mean(decoded, axis=0), rtol=1e-5, atol=1e-6)
+
+
+
+class _KeepsUpdates(BufferedAggregator):
+    """An app-defined rule that keeps the arrays it is given, without copying them: legal (a
+    rule owns what it was handed), and exactly what a reused decoder output must survive."""
+
+    name = "test-keeps-updates"
+
+    def add(self, update, weight, *, factor=1.0, client_id=""):  # noqa: ANN001, ANN201
+        self._check(update, weight, factor)
+        self._updates.append(update)
+        self._weights.append(float(weight))
+        self._factors.append(float(factor))
+        self._ids.append(client_id)
+
+    def combine(self, updates, weights, factors, client_ids):  # noqa: ANN001, ANN201
+        return updates.mean(axis=0).astype(np.float32)
+
+
+def test_a_rule_that_keeps_its_updates_keeps_their_outputs_out_of_the_pool(
+        serve, monkeypatch: pytest.MonkeyPatch) -> None:
+    # registered for this test only (the registry is global; CLI help lists every rule)
+    monkeypatch.setitem(aggregation_base._REGISTRY, _KeepsUpdates.name,
+                        lambda size, **_: _KeepsUpdates(size))
+    # Each update is folded (kept by reference) before the next push decodes: an output
+    # returned to the pool after its fold would be overwritten by the next decode.
+    srv, t = serve(mode="async", buffer_size=3, max_staleness=10, defense=_KeepsUpdates.name)
+    session = t.join("a", DeviceProfile())[0].session
+    rng = np.random.default_rng(9)
+    decoded = []
+    for _ in range(3):
+        assert t.task(session, 0).action.name == "TRAIN"
+        decoded.append(_push_int8(t, session, rng.standard_normal(P, dtype=np.float32), n=1,
+                                  round_=0))
+    version, params = _model(srv)
+    assert version == 1
+    np.testing.assert_allclose(params, np.mean(decoded, axis=0), rtol=1e-5, atol=1e-6)
+    assert _output_stats(srv)["reused"] == 0  # every output was still held by the rule
