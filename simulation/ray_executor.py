@@ -25,7 +25,6 @@ built.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -141,10 +140,10 @@ class RayExecutor(Executor):
         else:  # "local": a new instance even when RAY_ADDRESS points at a cluster
             kwargs.update(address="local", num_cpus=workers or default_workers())
             self.where = f"a local Ray with {kwargs['num_cpus']} CPUs"
+        from murmura.server.raybackend import init_ray
+
         try:
-            with warnings.catch_warnings():  # ray.init's tips about future defaults
-                warnings.simplefilter("ignore", FutureWarning)
-                ray.init(**kwargs)
+            init_ray(ray, **kwargs)  # keeps our SIGINT/SIGTERM handlers
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise ValueError(f"could not start or reach Ray ({self.where}): {exc}") from exc
         self._owns_ray = True
