@@ -22,6 +22,7 @@ from typing import Any
 from murmura import __version__
 from murmura.config import add_arguments, build, read_toml
 from murmura.progress import Progress
+from murmura.validate import UsageError
 
 log = logging.getLogger("murmura")
 
@@ -64,12 +65,29 @@ def _configure_logging(args: argparse.Namespace, default: int) -> None:
 
 # -- murmura run ------------------------------------------------------------------------------
 
+def _check_mode_flags(args: argparse.Namespace, *, gossip: bool) -> None:
+    """Refuse flags that the chosen mode would silently ignore: ``murmura run --rounds 5``
+    without ``--gossip`` used to run the server's 30 versions."""
+    wrong = [d for d in (args.server_only if gossip else args.gossip_only)
+             if getattr(args, d, None) is not None]
+    if not wrong:
+        return
+    flags = ", ".join("--" + d.replace("_", "-").removesuffix("s") if d.endswith("_options")
+                      else "--" + d.replace("_", "-") for d in wrong)
+    if gossip:
+        raise UsageError(f"{flags}: aggregator option{'s' * (len(wrong) > 1)}, and a gossip run "
+                         f"has no aggregator; its length is --rounds and its rule --rule")
+    raise UsageError(f"{flags}: gossip option{'s' * (len(wrong) > 1)}, used only with --gossip; "
+                     f"a server run's length is --max-versions (default 30)")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from murmura.server import ServerThread, build_core
 
     _configure_logging(args, logging.WARNING)
     toml = read_toml(args.config)
     run = build(RunConfig, toml.get("run"), args, section="run")
+    _check_mode_flags(args, gossip=run.gossip)
     if run.gossip:
         from murmura.peers import cmd_run_gossip
 
@@ -684,11 +702,17 @@ def build_parser() -> argparse.ArgumentParser:
     common(p)
     add_arguments(p, RunConfig, title="run")
     add_arguments(p, TaskConfig, title="task")
+    before = {a.dest for a in p._actions}
     add_arguments(p, ServerConfig, title="server", skip=("address", *_SERVE_ONLY))
+    server = {a.dest for a in p._actions} - before
     add_arguments(p, GossipConfig, title="gossip (with --gossip)")
+    gossip_only = {a.dest for a in p._actions} - before - server
+    alone = argparse.ArgumentParser(add_help=False)  # every flag a gossip run reads
+    add_arguments(alone, GossipConfig, title="gossip")
+    server_only = server - {a.dest for a in alone._actions}  # --lr, --seed: both modes read
     p.add_argument("--device", default=None,
                    help="clients' device: auto, cpu, cuda, mps or cuda:N (default: auto)")
-    p.set_defaults(fn=cmd_run)
+    p.set_defaults(fn=cmd_run, server_only=sorted(server_only), gossip_only=sorted(gossip_only))
 
     p = sub.add_parser("server", help="run the aggregator service",
                        description="Serve the aggregator on --address until --max-versions "
@@ -831,7 +855,7 @@ def main(argv: list[str] | None = None) -> int:
         command = _subcommand(parser, args.command)
         command.error(f"unrecognized arguments: {' '.join(extra)}"
                       + _did_you_mean(command, extra))
-    from murmura.validate import UsageError, validate
+    from murmura.validate import validate
 
     try:
         validate(args)  # every option and config table, before anything starts

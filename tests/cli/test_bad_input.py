@@ -118,6 +118,12 @@ MORE_CASES = {
     "peer bad --bootstrap": (["peer", "--bootstrap", "127.0.0.1:1,nohost"],
                              ["--bootstrap must be HOST:PORT"]),
     "gossip unknown --rule": (["run", "--gossip", "--rule", "avg"], ["unknown gossip rule"]),
+    # flags the chosen mode would ignore (--rounds used to run the server's 30 versions)
+    "run --rounds without --gossip": (["run", "--rounds", "5"],
+                                      ["--rounds: gossip option", "--max-versions"]),
+    "run --gossip with aggregator flags": (
+        ["run", "--gossip", "--defense", "median", "--max-versions", "3"],
+        ["--defense, --max-versions: aggregator options", "--rounds", "--rule"]),
     "launch bad --server": (["launch", "--server", "a:b"], ["--server must be HOST:PORT"]),
     "simulate zo trainer": (["simulate", "--trainer", "zo", "--codec", "seed"],
                             ["first-order training only"]),
