@@ -233,6 +233,10 @@ class ServerConfig:
             raise ValueError("mode 'compass' assigns local steps: set compass_max_steps (or "
                              "train.local_steps) to a positive number")
         q_min = self.compass_min_steps or max(1, round(q_max / 5))
+        if self.compass_min_steps < 0 or self.compass_max_steps < 0 or q_min > q_max:
+            raise ValueError(f"compass_min_steps {q_min} and compass_max_steps {q_max} need "
+                             f"1 <= min <= max (0 for a default: max = train.local_steps, min = "
+                             f"a fifth of max)")
         return StepBounds(q_min, q_max, self.compass_latest_factor, self.compass_max_group)
 
     def defense_kwargs(self) -> dict[str, Any]:

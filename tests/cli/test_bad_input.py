@@ -125,6 +125,9 @@ MORE_CASES = {
         ["run", "--gossip", "--defense", "median", "--max-versions", "3"],
         ["--defense, --max-versions: aggregator options", "--rounds", "--rule"]),
     "launch bad --server": (["launch", "--server", "a:b"], ["--server must be HOST:PORT"]),
+    "compass min steps above max": (
+        ["server", "--mode", "compass", "--compass-min-steps", "5", "--compass-max-steps", "2"],
+        ["compass_min_steps 5 and compass_max_steps 2"]),
     "simulate zo trainer": (["simulate", "--trainer", "zo", "--codec", "seed"],
                             ["first-order training only"]),
 }

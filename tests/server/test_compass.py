@@ -164,7 +164,7 @@ def test_step_bounds_and_refinement_validate() -> None:
 def test_compass_config_needs_step_bounds() -> None:
     with pytest.raises(ValueError, match="compass_max_steps"):
         ServerConfig(mode="compass")
-    with pytest.raises(ValueError, match="q_min <= q_max"):
+    with pytest.raises(ValueError, match="compass_min_steps 5 and compass_max_steps 4"):
         ServerConfig(mode="compass", compass_max_steps=4, compass_min_steps=5)
     with pytest.raises(ValueError, match="for mode 'compass'"):
         ServerConfig(mode="async", compass_max_steps=4)
