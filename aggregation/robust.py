@@ -177,7 +177,8 @@ def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
                rows: npt.NDArray[np.intp] | None = None,
                stat_rows: npt.NDArray[np.intp] | None = None,
                extra: Stack | None = None,
-               extra_rows: npt.NDArray[np.intp] | None = None) -> FlatVector:
+               extra_rows: npt.NDArray[np.intp] | None = None,
+               tail: int = 0, tail_c: float | None = None) -> FlatVector:
     """Per coordinate, the weighted mean of the values clipped to median +- c x sigma.
 
     sigma = 1.4826 x MAD (median absolute deviation from the median), both over ``stat_rows``
@@ -196,10 +197,16 @@ def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
     One sort of the ``stat_rows`` (and ``extra``) per column block gives the median and the
     MAD (the smallest half-width of a window of sorted values that holds half of them, so no
     second selection), then one clamp-and-sum pass over ``rows``.
+    The last ``tail`` coordinates are clipped with ``tail_c`` instead of ``c`` (a model's
+    output layer, say).
     """
-    if not (math.isfinite(c) and c >= 0):
-        raise AggregationError(f"huber clip c must be a finite number >= 0, got {c}")
+    for name, value in (("c", c), ("tail_c", c if tail_c is None else tail_c)):
+        if not (math.isfinite(value) and value >= 0):
+            raise AggregationError(f"huber clip {name} must be a finite number >= 0, got {value}")
     p = x.shape[1]
+    if not 0 <= tail <= p:
+        raise AggregationError(f"huber tail must hold 0..{p} coordinates, got {tail}")
+    start_tail = p - tail if tail and tail_c is not None and tail_c != c else p
     take = np.arange(x.shape[0]) if rows is None else np.asarray(rows, dtype=np.intp)
     stat = take if stat_rows is None else np.asarray(stat_rows, dtype=np.intp)
     if extra is not None and (extra.ndim != 2 or extra.shape[1] != p):
@@ -220,6 +227,7 @@ def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
     lo_mid, hi_mid = (m - 1) // 2, m // 2
     half = m // 2 + 1  # the MAD is the half-th smallest absolute deviation
     bound = np.float32(c * MAD_SCALE)
+    bound_tail = np.float32((c if tail_c is None else tail_c) * MAD_SCALE)
     out = np.empty(p, dtype=np.float32)
 
     def block(a: int, b: int) -> None:
@@ -237,7 +245,12 @@ def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
         # is min over windows s[i..i+half-1] of max(med - s[i], s[i+half-1] - med).
         left = med[:, None] - srt[:, : m - half + 1]
         np.maximum(left, srt[:, half - 1:] - med[:, None], out=left)
-        radius = left.min(axis=1) * bound
+        if b <= start_tail:
+            radius = left.min(axis=1) * bound
+        else:  # this block reaches the tail: its columns from start_tail on use tail_c
+            scale = np.full(b - a, bound, dtype=np.float32)
+            scale[max(start_tail - a, 0):] = bound_tail
+            radius = left.min(axis=1) * scale
         lo = torch.from_numpy(med - radius)
         hi = torch.from_numpy(med + radius)
         clipped = torch.clamp(torch.from_numpy(vals), min=lo, max=hi)

@@ -131,8 +131,14 @@ class ServerConfig:
         if self.defense not in available_aggregators():
             raise ValueError(f"unknown defense {self.defense!r}; "
                              f"available: {', '.join(available_aggregators())}")
+        kwargs = self.defense_kwargs()
+        if self.defense == "default" and "head" in kwargs:  # a count of the model's values,
+            head = kwargs.pop("head")                        # which the probe's 16 lack
+            if not (isinstance(head, int) and head >= 0):
+                raise ValueError(f"defense 'default': head must be a whole number of values "
+                                 f">= 0, got {head!r}")
         try:  # build one small instance so bad options fail now, not at the first round
-            probe = create_aggregator(self.defense, 16, **self.defense_kwargs())
+            probe = create_aggregator(self.defense, 16, **kwargs)
         except (AggregationError, TypeError) as exc:
             raise ValueError(f"defense {self.defense!r}: {exc}") from None
         if self.optimizer not in available_optimizers():

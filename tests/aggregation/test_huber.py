@@ -121,6 +121,21 @@ def test_column_blocks_and_threads_give_the_unblocked_answer() -> None:
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("p, tail", [(30, 0), (30, 7), (30, 30), (20_000, 650), (20_000, 12_000)])
+def test_the_tail_is_clipped_with_its_own_constant(p, tail) -> None:
+    # tail 650 falls inside the last column block, 12,000 spans a block boundary
+    x = sample(9, 9, p=p)
+    w = np.arange(1.0, 10.0)
+    got = huber_mean(x, c=0.8, weights=w, tail=tail, tail_c=2.5)
+    np.testing.assert_allclose(got[:p - tail], reference(x, 0.8, w)[:p - tail],
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[p - tail:], reference(x, 2.5, w)[p - tail:],
+                               rtol=1e-5, atol=1e-5)
+    # no tail constant, or the same one: the plain rule
+    np.testing.assert_array_equal(huber_mean(x, c=0.8, weights=w, tail=tail),
+                                  huber_mean(x, c=0.8, weights=w))
+
+
 def test_scaling_every_weight_changes_nothing() -> None:
     x = sample(7, 8)
     w = np.arange(1.0, 9.0)
@@ -135,6 +150,8 @@ def test_scaling_every_weight_changes_nothing() -> None:
     ({"c": 1.0, "weights": np.zeros(5)}, "non-negative weights"),
     ({"c": 1.0, "weights": -np.ones(5)}, "non-negative weights"),
     ({"c": 1.0, "rows": np.zeros(0, dtype=np.intp)}, "no updates"),
+    ({"c": 1.0, "tail": 31, "tail_c": 2.0}, "tail must hold 0..30"),
+    ({"c": 1.0, "tail": 3, "tail_c": -2.0}, "tail_c must be"),
 ])
 def test_bad_arguments_are_refused(kwargs, match) -> None:
     with pytest.raises(AggregationError, match=match):

@@ -256,6 +256,8 @@ def test_bad_sybil_options_are_refused(options) -> None:
     ("default", {"huber_c": -1.0}), ("default", {"weight_cap": 0.5}),
     ("default", {"recent": -1}), ("sybil", {"recent": 1.5}), ("default", {"norm_cap": 0.5}),
     ("default", {"history": -1}), ("default", {"history": 2.5}),
+    ("default", {"head": 11}), ("default", {"head": -1}), ("default", {"head": 1.5}),
+    ("default", {"head": 3, "head_c": float("inf")}), ("default", {"head_c": -0.5}),
 ])
 def test_bad_default_options_are_refused(name, options) -> None:
     with pytest.raises(AggregationError):
@@ -494,6 +496,28 @@ def test_default_is_close_to_the_mean_on_honest_spread_and_huber_c_zero_is_the_m
     # huber_c=0 is exactly the previous rule (the coordinate median).
     assert np.linalg.norm(out - mean) < 0.5 * np.linalg.norm(median - mean)
     np.testing.assert_allclose(median, np.median(x, axis=0), rtol=1e-6, atol=1e-7)
+
+
+def test_default_clips_its_head_with_head_c_and_the_rest_with_huber_c() -> None:
+    # The same honest buffer through three rules: the head's values come from the rule whose
+    # huber_c is head_c, the body's from the rule with the body's constant.
+    rng = np.random.default_rng(17)
+    x = (np.full(P, 1.0 / np.sqrt(P)) + rng.standard_normal((15, P)) / np.sqrt(P))
+    x = x.astype(np.float32)
+    head = P // 4
+
+    def run(**options: float) -> np.ndarray:
+        agg = create_aggregator("default", P, **options)
+        for i, u in enumerate(x):
+            agg.add(u, 20.0, client_id=f"c{i}")
+        return agg.result()
+
+    split, body, loose = run(huber_c=0.5, head=head, head_c=3.0), run(huber_c=0.5), \
+        run(huber_c=3.0)
+    np.testing.assert_allclose(split[:-head], body[:-head], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(split[-head:], loose[-head:], rtol=1e-6, atol=1e-7)
+    assert not np.allclose(body[-head:], loose[-head:])  # the constants do differ there
+    np.testing.assert_array_equal(run(huber_c=0.5, head=head), body)  # no head_c: one constant
 
 
 def test_default_caps_a_claimed_example_count() -> None:
