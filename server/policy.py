@@ -60,7 +60,7 @@ def output_layer_values(spec: ModelSpec) -> int:
     spec has no such tensor."""
     for i in range(len(spec.tensors) - 1, -1, -1):
         if len(spec.tensors[i].shape) >= 2:
-            return sum(int(np.prod(t.shape)) for t in spec.tensors[i:])
+            return sum(t.numel for t in spec.tensors[i:])
     return 0
 
 
