@@ -244,6 +244,19 @@ def _push_int8(t: GrpcTransport, session: str, update: np.ndarray, *, n: int, ro
     return codec.decode(payload, P)
 
 
+def _push_int8_series(t: GrpcTransport, count: int, *, seed: int, n: int) -> list[np.ndarray]:
+    """One client joins and pushes ``count`` int8 updates of version 0, each after a TRAIN
+    task; returns what the server must decode them to."""
+    session = t.join("a", DeviceProfile())[0].session
+    rng = np.random.default_rng(seed)
+    decoded = []
+    for _ in range(count):
+        assert t.task(session, 0).action.name == "TRAIN"
+        decoded.append(_push_int8(t, session, rng.standard_normal(P, dtype=np.float32), n=n,
+                                  round_=0))
+    return decoded
+
+
 def _output_stats(srv: ServerThread) -> dict[str, int]:
     def read() -> dict[str, int]:
         assert srv.server is not None
@@ -280,18 +293,11 @@ def test_held_int8_updates_keep_their_decoded_values_while_later_ones_decode(ser
 
 def test_async_int8_pushes_decode_into_one_reused_output(serve) -> None:
     srv, t = serve(mode="async", buffer_size=4, max_staleness=10)
-    session = t.join("a", DeviceProfile())[0].session
-    rng = np.random.default_rng(8)
-    decoded = []
-    for _ in range(4):
-        assert t.task(session, 0).action.name == "TRAIN"
-        decoded.append(_push_int8(t, session, rng.standard_normal(P, dtype=np.float32), n=2,
-                                  round_=0))
+    decoded = _push_int8_series(t, 4, seed=8, n=2)
     assert _output_stats(srv) == {"allocated": 1, "reused": 3, "free": 1}
     version, params = _model(srv)
     assert version == 1
     np.testing.assert_allclose(params, np.mean(decoded, axis=0), rtol=1e-5, atol=1e-6)
-
 
 
 class _KeepsUpdates(BufferedAggregator):
@@ -319,13 +325,7 @@ def test_a_rule_that_keeps_its_updates_keeps_their_outputs_out_of_the_pool(
     # Each update is folded (kept by reference) before the next push decodes: an output
     # returned to the pool after its fold would be overwritten by the next decode.
     srv, t = serve(mode="async", buffer_size=3, max_staleness=10, defense=_KeepsUpdates.name)
-    session = t.join("a", DeviceProfile())[0].session
-    rng = np.random.default_rng(9)
-    decoded = []
-    for _ in range(3):
-        assert t.task(session, 0).action.name == "TRAIN"
-        decoded.append(_push_int8(t, session, rng.standard_normal(P, dtype=np.float32), n=1,
-                                  round_=0))
+    decoded = _push_int8_series(t, 3, seed=9, n=1)
     version, params = _model(srv)
     assert version == 1
     np.testing.assert_allclose(params, np.mean(decoded, axis=0), rtol=1e-5, atol=1e-6)
