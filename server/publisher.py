@@ -24,6 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from murmura.server.futures import settle
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -109,12 +111,12 @@ def _log_error(exc: BaseException | None, what: str) -> None:
 
 
 def _run(fn: Callable[[], T], fut: Future[T]) -> None:
-    if not fut.set_running_or_notify_cancel():
-        return
+    # A publish runs even if a waiter cancelled its future: the version it makes must not be
+    # lost because the push that completed it went away.
     try:
-        fut.set_result(fn())
+        settle(fut, result=fn())
     except BaseException as exc:  # handed to whoever waits on the future
-        fut.set_exception(exc)
+        settle(fut, exc=exc)
 
 
 __all__ = ["Publisher"]

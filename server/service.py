@@ -22,6 +22,7 @@ from murmura.protocols.serde import Malformed, tolerant
 from murmura.server.buffers import ReceiveBuffer
 from murmura.server.core import AggregatorCore
 from murmura.server.errors import InvalidArgument, ServiceError, Unavailable
+from murmura.server.futures import wait_for_thread
 from murmura.server.limits import MAX_TEXT, check_number, check_text
 from murmura.server.slabs import Slab
 from murmura.server.tier import Tier
@@ -61,6 +62,12 @@ class LogLimiter:
         self._window[kind] = (start, logged, dropped)
 
 
+#: The points where a handler waits and its client may cancel it: every one is safe (the test
+#: suite cancels a call at each through :attr:`AggregatorServicer.await_hook`).
+AWAIT_POINTS = ("join.durable", "push.receive", "push.duplicate", "push.decode", "push.spool",
+                "push.durable", "push.publish", "push.install")
+
+
 class AggregatorServicer(pb_grpc.AggregatorServicer):
     def __init__(self, core: AggregatorCore, *, tier: Tier | None = None,
                  chunk_bytes: int = serde.CHUNK_BYTES) -> None:
@@ -70,7 +77,14 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.tier = tier or Tier(dataclasses.replace(core.config, workers=0), core.decoder)
         self._event: asyncio.Event | None = None
         self.log_limit = LogLimiter()
+        #: Tests: called with the name of each await point (AWAIT_POINTS) just before the
+        #: handler waits there, e.g. to cancel the handler's task at that point.
+        self.await_hook: Callable[[str], None] | None = None
         core.add_listener(self._notify)
+
+    def _at(self, point: str) -> None:
+        if self.await_hook is not None:
+            self.await_hook(point)
 
     @property
     def buffers(self):  # noqa: ANN201 - the in-process receive buffers (tests inspect them)
@@ -115,6 +129,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                                     token=request.token,
                                     protocol_version=request.protocol_version,
                                     proof=serde.join_proof_from_proto(request))
+            self._at("join.durable")
             await _durable(self.core.last_durable, "the session")
         except ServiceError as exc:
             self.log_limit.log(exc.status, "join refused: %s %s", exc.status, exc.message)
@@ -185,6 +200,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         received = wire = 0
         tier, core = self.tier, self.core
         try:
+            self._at("push.receive")
             async for item in request_iterator:
                 if isinstance(item, Malformed):
                     raise InvalidArgument(f"{item.what} does not parse")
@@ -220,6 +236,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             core.last_durable = None
             _, duplicate = core.begin_push(header, received, wire_bytes=wire)
             if duplicate is not None:
+                self._at("push.duplicate")
                 await _durable(core.last_durable, "the update")
                 return serde.push_result_to_proto(duplicate)
             taken, lease = lease, None  # the tier owns it now, also when decoding fails
@@ -229,6 +246,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 spooling = core.store.spool(taken.view if isinstance(taken, ReceiveBuffer)
                                             else taken.buf[:received])
             try:
+                self._at("push.decode")
                 decoded, release = await tier.decode(header, taken, core.reference_for(header),
                                                      header.base_version)
             except BaseException as exc:
@@ -237,7 +255,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             spooled = None
             if spooling is not None:
                 try:  # the buffer must outlive the spool write: the fold may release it
-                    spooled = await asyncio.wrap_future(spooling)
+                    self._at("push.spool")
+                    spooled = await wait_for_thread(spooling)
                 except BaseException as exc:  # disk full or failing, or the client went away
                     release()
                     if not isinstance(exc, Exception):  # cancelled: forget the update
@@ -254,15 +273,20 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             publishes = core.publishes
             result = core.finish_push(header, decoded, release=release, spooled=spooled)
             del decoded, release  # the fold releases the buffers once nothing holds them
-            # Acknowledged only once durable (a group commit on the store thread).
+            # Acknowledged only once durable (a group commit on the store thread). From here
+            # on the update is taken: a cancelled call leaves it to be committed and applied,
+            # and the client's retry is answered as a duplicate.
+            self._at("push.durable")
             await _durable(core.last_durable, "the update")
             if core.publishes != publishes and core.last_publish is not None:
                 # This update completed a version: answer once it is out (the loop stays free
                 # meanwhile), so the reply names the version that includes it.
                 try:
-                    await asyncio.wrap_future(core.last_publish)
+                    self._at("push.publish")
+                    await wait_for_thread(core.last_publish)
                 except Exception:  # noqa: BLE001 - logged by the core; the update was taken
                     pass
+                self._at("push.install")
                 await asyncio.sleep(0)  # let the install scheduled before us run
                 result = dataclasses.replace(result, version=core.version)
         except ServiceError as exc:
@@ -287,11 +311,12 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
 
 async def _durable(fut: object, what: str) -> None:
-    """Wait (off the loop) until a durable operation is on disk; UNAVAILABLE if it failed."""
+    """Wait (off the loop) until a durable operation is on disk; UNAVAILABLE if it failed.
+    A cancelled wait leaves the operation to finish (see server/futures.py)."""
     if fut is None:
         return
     try:
-        await asyncio.wrap_future(fut)  # type: ignore[arg-type]
+        await wait_for_thread(fut)  # type: ignore[arg-type]
     except Exception as exc:  # noqa: BLE001 - the store logged it
         raise Unavailable(f"{what} could not be made durable; retry later") from exc
 

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from murmura.server.futures import settle
+
 log = logging.getLogger(__name__)
 
 DB_NAME = "state.db"
@@ -136,6 +138,8 @@ class StateStore:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
+        #: Tests: called on the store thread before each group commit (to hold one back).
+        self.before_commit: Callable[[], None] | None = None
         # The spool has its own writer thread, so payloads are copied out while the store
         # thread waits on an fsync or a commit. Only the writer appends and rotates segments;
         # _spool_lock guards what the store thread reads of them.
@@ -307,9 +311,9 @@ class StateStore:
             if job is None:
                 return
             try:
-                job.future.set_result(self._append(job))
+                settle(job.future, result=self._append(job))
             except BaseException as exc:  # noqa: BLE001 - handed to the push that waits
-                job.future.set_exception(exc)
+                settle(job.future, exc=exc)
             finally:
                 job.data = None
 
@@ -363,6 +367,8 @@ class StateStore:
 
     def _commit(self, jobs: list[_Job]) -> None:
         c = self._conn
+        if self.before_commit is not None:
+            self.before_commit()  # tests: hold a commit while its waiters are cancelled
         try:
             self._sync_spool()  # payloads before the rows that point at them
             c.execute("BEGIN IMMEDIATE")
@@ -383,12 +389,12 @@ class StateStore:
             log.error("state commit failed; %d operations were not made durable: %s",
                       len(jobs), exc)
             for job in jobs:
-                job.future.set_exception(exc)
+                settle(job.future, exc=exc)
             return
         self.commits += 1
         self.committed_ops += len(jobs)
-        for job in jobs:
-            job.future.set_result(None)
+        for job in jobs:  # a waiter that went away leaves a cancelled future: skip it
+            settle(job.future)
         if any(j.publishes for j in jobs):
             try:
                 keep = {s for (s,) in c.execute("SELECT DISTINCT segment FROM pending")}
@@ -441,7 +447,7 @@ class StateStore:
                 except queue.Empty:
                     break
                 if job is not None:
-                    job.future.set_exception(RuntimeError("the store was abandoned"))
+                    settle(job.future, exc=RuntimeError("the store was abandoned"))
         self._stop_threads(10)
         self._conn.close()
         self._lock_file.close()

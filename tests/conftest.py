@@ -35,3 +35,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def wait_until(cond, timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll ``cond()`` until it is true; fail naming ``what`` after ``timeout`` seconds. The one
+    polling helper of the suite (import it: ``from tests.conftest import wait_until``)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.02)

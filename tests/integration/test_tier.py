@@ -5,9 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 import uuid
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from murmura.protocols import (
     create_codec,
 )
 from murmura.server import AggregatorCore, ServerConfig, ServerThread
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -30,14 +29,6 @@ SIZE = 20_000
 
 def vector_spec(n: int = SIZE) -> ModelSpec:
     return ModelSpec((TensorSpec("w", (n,)),))
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def update_for(client: int, version: int) -> np.ndarray:
