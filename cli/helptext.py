@@ -77,6 +77,9 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "cohort_fraction": "sync: share of the joined clients in each round's cohort, in (0, 1]",
         "min_clients": "clients that must have joined before the first round (>= 1)",
         "round_deadline_s": "sync: close a round after this many seconds with the updates in",
+        "liveness_factor": "sync: a cohort member silent for this many times its measured "
+                           "task time (fetch to push) loses its session and the round goes "
+                           "on without it; >= 1, or 0 for the round deadline alone",
         "buffer_size": "async: updates folded into each new version (>= 1)",
         "max_staleness": "refuse updates more than this many versions old (>= 0)",
         "staleness": "async: weight of a stale update: {staleness}",

@@ -143,6 +143,10 @@ class ClientRuntime:
         else:
             result, spec = self.transport.join(self.client_id, self.profile, self.token)
         if spec.fingerprint() != self.trainer.spec.fingerprint():
+            try:  # this client cannot take part: end the session it was given at once
+                self.transport.leave(result.session)
+            except RemoteError:
+                pass
             raise ValueError(f"the server trains model spec {spec.fingerprint()} "
                              f"({spec.size} values); this client's model is "
                              f"{self.trainer.spec.fingerprint()} ({self.trainer.spec.size} values)")

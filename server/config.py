@@ -44,6 +44,7 @@ class ServerConfig:
     cohort_fraction: float = 1.0
     min_clients: int = 2
     round_deadline_s: float = 120.0
+    liveness_factor: float = 1.5   # a cohort member silent this x its task time leaves (0: off)
     # async (FedBuff)
     buffer_size: int = 5
     max_staleness: int = 20
@@ -122,6 +123,9 @@ class ServerConfig:
         if self.cohort_size and self.cohort_size < self.min_clients:
             raise ValueError(f"cohort_size {self.cohort_size} is below min_clients "
                              f"{self.min_clients}; no round could ever start")
+        if not (self.liveness_factor == 0 or 1 <= self.liveness_factor < math.inf):
+            raise ValueError(f"liveness_factor must be 0 (off) or at least 1, got "
+                             f"{self.liveness_factor}")
         if not self.round_deadline_s > 0:
             raise ValueError(f"round_deadline_s must be positive, got {self.round_deadline_s}")
         if self.buffer_size < 1:

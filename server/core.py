@@ -102,6 +102,10 @@ VERSIONS_DIR = "checkpoints"
 AGG_PREFIX = "agg."
 #: How often (seconds) the tick writes counters that changed without a commit (downloads).
 COUNTERS_EVERY_S = 2.0
+#: A client whose waiting call was cancelled from its side (its process exited, its
+#: connection broke) and that makes no call within this many seconds has gone: its session
+#: ends. A live client retries a failed call sooner (its backoff starts at 0.2 s).
+LOST_GRACE_S = 1.0
 
 
 @dataclass
@@ -191,6 +195,8 @@ class AggregatorCore:
         self._left: OrderedDict[str, str] = OrderedDict()
         #: Sessions from least to most recently used, for expiry.
         self._last_seen: OrderedDict[str, float] = OrderedDict()
+        #: Sessions whose waiting call was cancelled by the client's side, and when.
+        self._lost: dict[str, float] = {}
         self._join_limit = RateLimiter(config.join_per_s, JOIN_BURST)
         self._push_limit = RateLimiter(config.push_per_s, PUSH_BURST)
         self._seen: OrderedDict[tuple[str, str], int] = OrderedDict()
@@ -383,7 +389,29 @@ class AggregatorCore:
         rec.last_seen = self.clock()
         self._last_seen.pop(session, None)
         self._last_seen[session] = rec.last_seen
+        if self._lost:
+            self._lost.pop(session, None)
         return rec
+
+    def record_of(self, client_id: str) -> ClientRecord | None:
+        """The open session's record of ``client_id`` (not marked as seen)."""
+        session = self._session_of.get(client_id)
+        return None if session is None else self.sessions.get(session)
+
+    def drop_client(self, rec: ClientRecord, why: str) -> None:
+        """End a client's session without its asking (a policy found it dead): its next call
+        is told to join again, so a client that was only slow comes back."""
+        if self.sessions.get(rec.session) is not rec:
+            return
+        self._end_session(rec.session, rec, forget=False)
+        log.info("client %s taken for gone: %s; its session ends", rec.client_id, why)
+        self._changed()
+
+    def lost_contact(self, session: str) -> None:
+        """The transport saw the client's waiting call cancelled from the client's side; unless
+        the client calls again within LOST_GRACE_S, its session ends (see :meth:`tick`)."""
+        if session in self.sessions:
+            self._lost[session] = self.clock()
 
     def count_refusal(self, refusal: ServiceError | str) -> None:
         """Count one refused request by its status (the metrics rows report the counts); an
@@ -395,9 +423,11 @@ class AggregatorCore:
             refusal = refusal.status
         self.traffic.refused[refusal] = self.traffic.refused.get(refusal, 0) + 1
 
-    def _end_session(self, session: str, rec: ClientRecord) -> None:
+    def _end_session(self, session: str, rec: ClientRecord, *, forget: bool = True) -> None:
+        """``forget``: the client left for good (its measurements go too)."""
         del self.sessions[session]
         self._last_seen.pop(session, None)
+        self._lost.pop(session, None)
         if self._session_of.get(rec.client_id) == session:
             del self._session_of[rec.client_id]
         self._left[session] = rec.client_id
@@ -406,6 +436,8 @@ class AggregatorCore:
         if self.store is not None:
             self._durable(StateStore.op_leave(session))
         self.policy.on_leave(rec)
+        if forget:
+            self.policy.forget(rec.client_id)
 
     def expire_sessions(self, now: float) -> int:
         """End the sessions unused for ``session_ttl_s``; how many ended."""
@@ -656,9 +688,13 @@ class AggregatorCore:
             raise InvalidArgument(f"an update signature has {SIGNATURE_BYTES} bytes, got "
                                   f"{len(header.signature)}")
         if header.spec_fingerprint != self.fingerprint:
+            # No retry can fix this: the session ends with the refusal, so a sync round does
+            # not wait for a client that will never send an update it can take.
+            self._end_session(rec.session, rec)
+            self._changed()
             raise FailedPrecondition(f"update was trained for model spec "
                                      f"{quote(header.spec_fingerprint)}; this server's is "
-                                     f"{self.fingerprint}")
+                                     f"{self.fingerprint}; the session is closed")
         if header.base_version > self.version:
             raise InvalidArgument(f"base version {header.base_version} is in the future "
                                   f"(global version is {self.version})")
@@ -810,6 +846,15 @@ class AggregatorCore:
         self._changed()
         return PushResult(duplicate=False, version=self.version, staleness=staleness)
 
+    def _end_lost(self, now: float) -> None:
+        gone = [(s, t) for s, t in self._lost.items() if now - t >= LOST_GRACE_S]
+        for session, since in gone:
+            self._lost.pop(session, None)
+            rec = self.sessions.get(session)
+            if rec is not None:
+                self.drop_client(rec, f"its waiting call was cancelled from its side and it "
+                                      f"has not called since ({now - since:.1f} s)")
+
     def leave(self, session: str) -> None:
         rec = self._checked(self._record, session)
         self._end_session(session, rec)
@@ -820,6 +865,8 @@ class AggregatorCore:
         """Enforce deadlines and expire idle sessions; the transport calls this periodically."""
         now = self.clock()
         self.expire_sessions(now)
+        if self._lost:
+            self._end_lost(now)
         self.policy.tick(now)
         if self.store is not None and self.store_error is None:
             # Downloads and refusals commit nothing themselves: write the counters now and

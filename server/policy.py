@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Release = Callable[[], None] | None
+#: A sync cohort member is never judged silent sooner than this (seconds), whatever its speed.
+LIVENESS_MIN_S = 1.0
 #: Seconds per local step FedCompass plans with, at least and at most.
 STEP_TIME_RANGE = (1e-6, 86_400.0)
 
@@ -154,6 +156,9 @@ class Policy(ABC):
     def on_leave(self, rec: ClientRecord) -> None:  # noqa: B027 - optional hook
         """A client left or was dropped."""
 
+    def forget(self, client_id: str) -> None:  # noqa: B027 - optional hook
+        """A client left for good: drop what the policy keeps about it."""
+
     def tick(self, now: float) -> None:  # noqa: B027 - optional hook
         """Called periodically with the core's clock: enforce deadlines."""
 
@@ -170,6 +175,12 @@ class SyncPolicy(Policy):
     whatever order the network delivers them in (an early update waits for its predecessors).
     Updates that arrive after their round closed are not lost: they enter the next aggregate
     with their staleness weight.
+
+    Liveness: the policy measures each client's task time (from taking its task to pushing).
+    A member silent for ``liveness_factor`` times that (the cohort's median before its own
+    first measurement) is taken for dead (killed, frozen, or gone without leaving): its
+    session ends, so neither this round nor the next waits for it. A live client that was
+    only slow joins again and its update counts, late.
     """
 
     def __init__(self, core: AggregatorCore) -> None:
@@ -185,6 +196,9 @@ class SyncPolicy(Policy):
         self._pending: dict[str, tuple[Decoded, float, Release]] = {}
         self._next = 0
         self.deadline = math.inf
+        self._issued: dict[str, float] = {}   # member -> when it took this round's task
+        #: client -> smoothed seconds from taking a task to pushing its update
+        self.task_s: dict[str, float] = {}
 
     def _maybe_open(self) -> None:
         cfg = self.core.config
@@ -201,6 +215,7 @@ class SyncPolicy(Policy):
         self.cohort = sorted(ids[i] for i in chosen)
         self._members = frozenset(self.cohort)
         self.submitted, self.dropped, self._pending, self._next = set(), set(), {}, 0
+        self._issued = {}
         self.deadline = self.core.clock() + cfg.round_deadline_s
         self.open = True
         self.core.log_event("round_open", round=self.round, cohort=len(self.cohort))
@@ -213,6 +228,7 @@ class SyncPolicy(Policy):
         cid = rec.client_id
         if self.open and cid in self._members and cid not in self.submitted:
             self.dropped.discard(cid)  # a member that re-joined may still answer
+            self._issued.setdefault(cid, self.core.clock())
             return Task(Action.TRAIN, version=self.core.version, round=self.round,
                         seed=self.core.derive_seed("round", self.round, cid))
         return Task(Action.WAIT, version=self.core.version, round=self.round, retry_after_s=0.5)
@@ -233,6 +249,7 @@ class SyncPolicy(Policy):
         if current:
             self.dropped.discard(cid)  # a re-joined member retrying its push
             self.submitted.add(cid)
+            self._measure(cid)
             self._pending[cid] = (update, weight, release)
             self._fold_in_order()
         else:  # late: a closed or abandoned round, or an older version
@@ -289,6 +306,46 @@ class SyncPolicy(Policy):
     def tick(self, now: float) -> None:
         if self.open and now >= self.deadline:
             self._maybe_close(deadline=True)
+        elif self.open and self.core.config.liveness_factor:
+            self._drop_silent(now)
+
+    def _measure(self, cid: str) -> None:
+        taken = self._issued.pop(cid, None)
+        if taken is None:
+            return
+        seconds = max(self.core.clock() - taken, 0.0)
+        old = self.task_s.get(cid)
+        self.task_s[cid] = seconds if old is None else 0.5 * (old + seconds)
+
+    def liveness_bound(self, cid: str) -> float | None:
+        """Seconds of silence after which cohort member ``cid`` is taken for dead (None: no
+        measurement yet; the round deadline alone applies)."""
+        expected = self.task_s.get(cid)
+        if expected is None:
+            if not self.task_s:
+                return None
+            expected = float(np.median(list(self.task_s.values())))
+        return max(LIVENESS_MIN_S, self.core.config.liveness_factor * expected)
+
+    def _drop_silent(self, now: float) -> None:
+        silent = []
+        for cid in self.cohort:
+            if cid in self.submitted or cid in self.dropped:
+                continue
+            rec = self.core.record_of(cid)
+            bound = self.liveness_bound(cid)
+            if rec is None or bound is None:
+                continue
+            quiet = now - rec.last_seen
+            if quiet > bound:
+                silent.append((rec, quiet, bound))
+        for rec, quiet, bound in silent:  # each ends a session, which may close the round
+            self.core.drop_client(rec, f"silent for {quiet:.1f} s in round {self.round}, over "
+                                       f"its liveness bound of {bound:.1f} s")
+
+    def forget(self, cid: str) -> None:
+        """A client's session ended for good: its measurements go (memory stays bounded)."""
+        self.task_s.pop(cid, None)
 
     def buffered(self) -> int:
         return self._folded + len(self._pending)

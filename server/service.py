@@ -163,6 +163,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 await asyncio.wait_for(event.wait(), timeout=min(remaining, 0.5))
             except asyncio.TimeoutError:
                 pass
+            except asyncio.CancelledError:
+                # The client went away mid-wait (process exited, connection broke): unless it
+                # calls again soon, its session ends and no round waits for it.
+                self.core.lost_contact(request.session)
+                raise
 
     async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext
                    ) -> AsyncIterator[pb.ModelChunk | memoryview]:
