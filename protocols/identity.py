@@ -7,9 +7,16 @@ encoding so that a signature made for one purpose never verifies for another:
 
 * joining: ``join_message(nonce, client_id, public_key)``, where the nonce is a single-use
   challenge from the server, so a captured Join cannot be replayed;
-* every update: ``update_message(...)`` over the session, update id, base version, round,
-  example count, codec, SHA-256 of the payload and the model spec's fingerprint, so an update
-  captured in one session does not verify in another, and a changed byte or field is caught.
+* every update: ``signed_update_message(header, payload_sha256)`` over every field of the
+  :class:`~murmura.protocols.messages.UpdateHeader` but the signature itself (session, update
+  id, base version, round, example count, codec, payload size, metrics, spec fingerprint) and
+  the payload's SHA-256, so an update captured in one session does not verify in another, and
+  a changed byte or field is caught.
+
+Public keys are checked before use (:func:`check_public_key`): a non-canonical encoding, a
+point off the curve or a point of small order is refused, because a small-order key makes
+forgery trivial with a cofactorless verifier such as OpenSSL's: under the identity point,
+(R = identity, S = 0) verifies for every message; under the other seven, a few tries suffice.
 
 This module is transport-neutral and pure apart from reading and writing key files.
 """
@@ -18,9 +25,13 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hashlib
+import math
+import operator
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,13 +50,14 @@ __all__ = [
     "NodeKey",
     "PUBLIC_KEY_BYTES",
     "SIGNATURE_BYTES",
+    "check_public_key",
     "client_id_for",
     "join_message",
     "load_public_keys",
     "parse_public_key",
     "payload_digest",
     "peer_message",
-    "update_message",
+    "signed_update_message",
     "verify",
 ]
 
@@ -54,13 +66,96 @@ SIGNATURE_BYTES = 64
 #: Every derived id starts with this, so a derived id is never mistaken for a chosen name.
 CLIENT_ID_PREFIX = "n-"
 _JOIN_DOMAIN = b"murmura/join/v1"
-_UPDATE_DOMAIN = b"murmura/update/v1"
+_UPDATE_DOMAIN = b"murmura/update/v2"
 _ID_DOMAIN = b"murmura/client-id/v1"
 _PEER_DOMAIN = b"murmura/peer/v1"
 
 
 class IdentityError(ValueError):
     """A key file or a public key is missing, unreadable or malformed."""
+
+
+# -- public key validation: Ed25519 (RFC 8032) in plain integers ---------------------------
+
+_P = 2**255 - 19
+_D = -121665 * pow(121666, _P - 2, _P) % _P
+_SQRT_M1 = pow(2, (_P - 1) // 4, _P)  # a square root of -1 mod p
+_Y_MASK = (1 << 255) - 1
+
+
+def _decode_point(raw: bytes) -> tuple[int, int]:
+    """The affine point ``(x, y)`` that 32 bytes encode (RFC 8032, 5.1.3), or IdentityError."""
+    n = int.from_bytes(raw, "little")
+    y, sign = n & _Y_MASK, n >> 255
+    if y >= _P:
+        raise IdentityError("invalid Ed25519 public key: its y coordinate is not below "
+                            "2^255-19 (a non-canonical encoding)")
+    yy = y * y % _P
+    u, v = (yy - 1) % _P, (_D * yy + 1) % _P  # x^2 = u / v; v != 0 as d is not a square
+    # a candidate square root of u / v with a single exponentiation (RFC 8032, 5.1.3)
+    v3 = v * v * v % _P
+    x = u * v3 * pow(u * v3 * v3 * v % _P, (_P - 5) // 8, _P) % _P
+    vxx = v * x * x % _P
+    if vxx == (-u) % _P:
+        x = x * _SQRT_M1 % _P
+    elif vxx != u:
+        raise IdentityError("invalid Ed25519 public key: not a point on the curve")
+    if x == 0 and sign:
+        raise IdentityError("invalid Ed25519 public key: x = 0 with the sign bit set "
+                            "(a non-canonical encoding)")
+    if x & 1 != sign:
+        x = _P - x
+    return x, y
+
+
+def _is_small_order(x: int, y: int) -> bool:
+    """Whether 8 * (x, y) is the identity, i.e. the point's order divides 8. Three doublings
+    in extended coordinates (RFC 8032, 5.1.4; X, Y, Z only: doubling does not need T)."""
+    px, py, pz = x, y, 1
+    for _ in range(3):
+        a, b = px * px % _P, py * py % _P
+        c = 2 * pz * pz % _P
+        h = (a + b) % _P
+        e = (h - (px + py) * (px + py)) % _P
+        g = (a - b) % _P
+        f = (c + g) % _P
+        px, py, pz = e * f % _P, g * h % _P, f * g % _P
+    return px == 0 and py == pz  # (0, Z, Z) is the identity; Z never vanishes (complete)
+
+
+def _key_problem(raw: bytes) -> str | None:
+    """Why ``raw`` is not an acceptable Ed25519 public key, or None."""
+    if len(raw) != PUBLIC_KEY_BYTES:
+        return f"invalid Ed25519 public key: it has {len(raw)} bytes, not {PUBLIC_KEY_BYTES}"
+    return _point_problem(raw)
+
+
+@functools.lru_cache(maxsize=4096)
+def _point_problem(raw: bytes) -> str | None:
+    """:func:`_key_problem` for 32 bytes (cached: the same keys come back with every push)."""
+    try:
+        x, y = _decode_point(raw)
+    except IdentityError as exc:
+        return str(exc)
+    if _is_small_order(x, y):
+        return ("invalid Ed25519 public key: a point of small order (1, 2, 4 or 8), under "
+                "which signatures can be forged")
+    return None
+
+
+def check_public_key(raw: bytes) -> bytes:
+    """``raw`` as bytes if it is an acceptable Ed25519 public key; otherwise IdentityError,
+    whose one-line message (starting ``invalid Ed25519 public key:``) says why: the wrong
+    length, a y coordinate not below 2^255-19, no point on the curve for that y, x = 0 with
+    the sign bit set, or a point of small order (the eight torsion points, in any encoding).
+
+    Keys with a small-order component added to a real key are accepted: they cannot forge
+    another key's signatures and RFC 8032 accepts them."""
+    raw = bytes(raw)
+    problem = _key_problem(raw)
+    if problem is not None:
+        raise IdentityError(problem)
+    return raw
 
 
 def client_id_for(public_key: bytes) -> str:
@@ -93,12 +188,35 @@ def join_message(nonce: bytes, client_id: str, public_key: bytes) -> bytes:
     return _fields(_JOIN_DOMAIN, nonce, client_id, public_key)
 
 
-def update_message(*, session: str, update_id: str, base_version: int, round: int,
-                   num_examples: int, codec: str, payload_sha256: bytes,
-                   spec_fingerprint: str) -> bytes:
-    """What a node signs for one update (everything that decides how it counts)."""
-    return _fields(_UPDATE_DOMAIN, session, update_id, base_version, round, num_examples, codec,
-                   payload_sha256, spec_fingerprint)
+def _metrics_bytes(metrics: Mapping[str, float]) -> bytes:
+    """A canonical encoding of an update's metrics: the entry count, then each entry sorted
+    by its name's UTF-8 bytes as the length-prefixed name and the value's 8-byte big-endian
+    IEEE 754 double (every NaN as the one quiet NaN, so a NaN's payload bits do not matter)."""
+    entries = []
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            raise TypeError(f"metric names are strings, got {type(name).__name__}")
+        number = float(value)
+        entries.append((name.encode("utf-8"), math.nan if math.isnan(number) else number))
+    entries.sort()
+    out = [struct.pack(">I", len(entries))]
+    for key, number in entries:
+        out += [struct.pack(">I", len(key)), key, struct.pack(">d", number)]
+    return b"".join(out)
+
+
+def signed_update_message(header: UpdateHeader, payload_sha256: bytes) -> bytes:
+    """What a node signs for one update: every field of ``header`` but its signature (session,
+    update id, base version, round, example count, codec, payload size, metrics, spec
+    fingerprint) and the SHA-256 of the payload, under the ``murmura/update/v2`` domain."""
+    if len(payload_sha256) != hashlib.sha256().digest_size:
+        raise ValueError(f"a payload's SHA-256 has 32 bytes, got {len(payload_sha256)}")
+    # operator.index: a numpy integer becomes an int (never bytes(n), n zero bytes)
+    return _fields(_UPDATE_DOMAIN, header.session, header.update_id,
+                   operator.index(header.base_version), operator.index(header.round),
+                   operator.index(header.num_examples), header.codec,
+                   operator.index(header.payload_bytes), _metrics_bytes(header.metrics),
+                   header.spec_fingerprint, bytes(payload_sha256))
 
 
 def peer_message(kind: str, peer_id: str, address: str, public_key: bytes,
@@ -115,8 +233,10 @@ def payload_digest(payload: bytes | bytearray | memoryview) -> bytes:
 
 
 def verify(public_key: bytes, signature: bytes, message: bytes) -> bool:
-    """True when ``signature`` is ``public_key``'s Ed25519 signature of ``message``."""
-    if len(public_key) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES:
+    """True when ``signature`` is ``public_key``'s Ed25519 signature of ``message``; always
+    False for a key :func:`check_public_key` refuses (a small-order key verifies forgeries)."""
+    public_key = bytes(public_key)
+    if len(signature) != SIGNATURE_BYTES or _key_problem(public_key) is not None:
         return False
     try:
         Ed25519PublicKey.from_public_bytes(public_key).verify(signature, message)
@@ -168,12 +288,8 @@ class NodeKey:
                          signature=self.sign(join_message(nonce, client_id_for(public), public)))
 
     def sign_update(self, header: UpdateHeader, payload_sha256: bytes) -> UpdateHeader:
-        """``header`` with this key's signature (see :func:`update_message`)."""
-        message = update_message(session=header.session, update_id=header.update_id,
-                                 base_version=header.base_version, round=header.round,
-                                 num_examples=header.num_examples, codec=header.codec,
-                                 payload_sha256=payload_sha256,
-                                 spec_fingerprint=header.spec_fingerprint)
+        """``header`` with this key's signature (see :func:`signed_update_message`)."""
+        message = signed_update_message(header, payload_sha256)
         return dataclasses.replace(header, signature=self.sign(message))
 
     def save(self, path: str | Path) -> Path:
@@ -212,7 +328,8 @@ class NodeKey:
 
 
 def parse_public_key(text: str) -> bytes:
-    """A public key from its 64 hex characters (what ``.pub`` files and allow-lists hold)."""
+    """A public key from its 64 hex characters (what ``.pub`` files and allow-lists hold),
+    refused unless :func:`check_public_key` accepts it."""
     text = text.strip()
     try:
         raw = bytes.fromhex(text)
@@ -221,7 +338,7 @@ def parse_public_key(text: str) -> bytes:
     if len(raw) != PUBLIC_KEY_BYTES:
         raise IdentityError(f"expected an Ed25519 public key as {2 * PUBLIC_KEY_BYTES} hex "
                             f"characters, got {text[:24]!r}")
-    return raw
+    return check_public_key(raw)
 
 
 def load_public_keys(path: str | Path) -> frozenset[bytes]:

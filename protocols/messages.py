@@ -9,7 +9,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 1
+#: 2: updates are signed over every header field (identity.signed_update_message); a client
+#: of protocol 1 signs fewer fields, so it is refused at Join with a clear reason.
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,8 @@ class UpdateHeader:
     round: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     spec_fingerprint: str = ""
-    #: The sender's Ed25519 signature of ``identity.update_message`` (empty: unsigned).
+    #: The sender's Ed25519 signature of ``identity.signed_update_message``, which covers every
+    #: other field here and the payload's SHA-256 (empty: unsigned).
     signature: bytes = b""
 
 

@@ -40,10 +40,12 @@ from murmura.protocols import (
 from murmura.protocols.identity import (
     PUBLIC_KEY_BYTES,
     SIGNATURE_BYTES,
+    IdentityError,
+    check_public_key,
     client_id_for,
     join_message,
     load_public_keys,
-    update_message,
+    signed_update_message,
     verify,
 )
 from murmura.protocols.pool import seed_pool_for
@@ -562,6 +564,10 @@ class AggregatorCore:
             raise InvalidArgument(f"join proof needs a {PUBLIC_KEY_BYTES}-byte Ed25519 public key "
                                   f"and a {SIGNATURE_BYTES}-byte signature, got "
                                   f"{len(proof.public_key)} and {len(proof.signature)} bytes")
+        try:
+            check_public_key(proof.public_key)
+        except IdentityError as exc:
+            raise InvalidArgument(f"join proof: {exc}") from None
         if expires is None or expires < self.clock():
             raise Unauthenticated("the join challenge is unknown, used or expired; ask for a "
                                   "new one")
@@ -582,11 +588,7 @@ class AggregatorCore:
         from another client (a captured update re-signed by a second identity)."""
         if digest is None or not rec.public_key:
             raise FailedPrecondition("this update cannot be checked: its session has no key")
-        message = update_message(session=header.session, update_id=header.update_id,
-                                 base_version=header.base_version, round=header.round,
-                                 num_examples=header.num_examples, codec=header.codec,
-                                 payload_sha256=digest, spec_fingerprint=header.spec_fingerprint)
-        if not verify(rec.public_key, header.signature, message):
+        if not verify(rec.public_key, header.signature, signed_update_message(header, digest)):
             raise PermissionDenied("the update's signature does not verify with this session's "
                                    "key (modified, replayed from another session, or forged)")
         owner = self._counted.get(digest)

@@ -20,7 +20,7 @@ from murmura.protocols.identity import (
     join_message,
     load_public_keys,
     payload_digest,
-    update_message,
+    signed_update_message,
 )
 from murmura.server import AggregatorCore, ServerConfig
 from murmura.server.errors import (
@@ -72,17 +72,18 @@ def test_client_id_derives_from_the_key_and_is_short_printable_and_stable() -> N
 
 
 def test_signed_messages_are_domain_separated_and_unambiguous() -> None:
+    # every header field in turn: tests/security/test_update_signature.py
     nonce, pk = b"n" * 32, b"k" * 32
-    fields = dict(session="s", update_id="u", base_version=1, round=2, num_examples=3,
-                  codec="dense-f32", payload_sha256=b"h" * 32, spec_fingerprint="f")
-    base = update_message(**fields)
-    for name, other in [("session", "s2"), ("update_id", "u2"), ("base_version", 9),
-                        ("round", 9), ("num_examples", 9), ("codec", "int8"),
-                        ("payload_sha256", b"x" * 32), ("spec_fingerprint", "g")]:
-        assert update_message(**{**fields, name: other}) != base, name
+    header = UpdateHeader(session="s", update_id="u", base_version=1, round=2, num_examples=3,
+                          codec="dense-f32", payload_bytes=4, metrics={"loss": 0.5},
+                          spec_fingerprint="f")
+    base = signed_update_message(header, b"h" * 32)
+    assert signed_update_message(header, b"x" * 32) != base
     # field boundaries count: ("ab", "c") and ("a", "bc") must not encode alike
-    assert update_message(**{**fields, "session": "ab", "update_id": "c"}) != \
-        update_message(**{**fields, "session": "a", "update_id": "bc"})
+    assert signed_update_message(UpdateHeader(**{**header.__dict__, "session": "ab",
+                                                 "update_id": "c"}), b"h" * 32) != \
+        signed_update_message(UpdateHeader(**{**header.__dict__, "session": "a",
+                                              "update_id": "bc"}), b"h" * 32)
     assert join_message(nonce, "id", pk) != join_message(nonce, "id2", pk)
     assert not base.startswith(join_message(nonce, "id", pk)[:17])
 
