@@ -99,7 +99,8 @@ class ClientRuntime:
                  clock: Callable[[], float] = time.monotonic,
                  update_hook: UpdateHook | None = None,
                  update_ids: UpdateIds | None = None,
-                 on_ack: Callable[[str, PushResult], None] | None = None) -> None:
+                 on_ack: Callable[[str, PushResult], None] | None = None,
+                 fatal_refusals: frozenset[str] = frozenset()) -> None:
         self.transport = transport
         self.trainer = trainer
         if identity is None and not client_id:
@@ -126,6 +127,9 @@ class ClientRuntime:
         #: Called with each acknowledged update's id and the server's answer (an audit trail:
         #: ``murmura client --ack-log`` writes them to a file).
         self.on_ack = on_ack
+        #: Statuses of a refused update that end the run (RemoteError) instead of moving on to
+        #: the next task: a leaf's link uses it, since none of its later partials would count.
+        self.fatal_refusals = fatal_refusals
         self.stats = ClientStats()
         self.session = ""
         self.settings: TaskSettings | None = None
@@ -281,6 +285,8 @@ class ClientRuntime:
             if run_is_over(exc.status, exc.message):  # a normal end: the next task says stop
                 log.info("%s: the run is over; this update came too late", self.client_id)
                 return
+            if exc.status in self.fatal_refusals:
+                raise
             log.warning("%s: update refused: %s", self.client_id, exc)
             return
         self.stats.pushed += 1

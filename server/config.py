@@ -91,6 +91,9 @@ class ServerConfig:
     allowed_keys: str = field(default="", metadata={"help": (
         "FILE of client public keys (hex, one a line, from `murmura keys new`); others are "
         "refused")})
+    leaf_keys: str = field(default="", metadata={"help": (
+        "FILE of the public keys of leaf aggregators (hex, one a line: each leaf's --key .pub) "
+        "allowed to push partial aggregates here; without it partials are refused")})
     tls_cert: str = field(default="", metadata={"help": "serve TLS with this certificate "
                                                          "(PEM; from `murmura certs server`)"})
     tls_key: str = field(default="", metadata={"help": "the private key of --tls-cert (PEM)"})
@@ -227,6 +230,9 @@ class ServerConfig:
             raise ValueError(f"refusing to serve plaintext on {self.address[:60]}: give "
                              f"--tls-cert and --tls-key (see docs/security.md), bind a loopback "
                              f"address, or pass --insecure")
+        if self.leaf_keys and not self.require_identity:
+            raise ValueError("leaf_keys needs require_identity (leaves are told apart from "
+                             "clients by the key they prove)")
         if self.allowed_keys and not self.require_identity:
             raise ValueError("allowed_keys needs require_identity (an allow-list of keys "
                              "means nothing when clients need not prove a key)")

@@ -65,6 +65,7 @@ from murmura.server.errors import (
 )
 from murmura.server.limits import (
     MAX_ID,
+    MAX_NUM_EXAMPLES,
     MAX_TOKEN,
     check_header,
     check_profile,
@@ -92,6 +93,8 @@ PUSH_BURST = 50
 #: that no fold overflows, whatever the rule does with weights <= 1 (staleness factors are).
 FOLD_LIMIT = {"float32": 1e38, "exact": 0.99 * 2.0**42}
 REFERENCE_VERSIONS = 3
+#: The most client updates one partial aggregate may stand for.
+MAX_PARTIAL_COUNT = 1 << 31
 #: Join challenges: how long a nonce stays valid, and how many may be outstanding (the oldest
 #: gives way to a new one, so a flood of Challenge calls cannot grow memory).
 CHALLENGE_TTL_S = 60.0
@@ -178,6 +181,8 @@ class AggregatorCore:
         self.decoder = Decoder(spec.size, config.train, hash_payloads=config.require_identity)
         #: Public keys allowed to join (None: any key that proves itself).
         self.allowed_keys = load_public_keys(config.allowed_keys) if config.allowed_keys else None
+        #: Public keys of the leaf aggregators that may push partial aggregates.
+        self.leaf_keys = load_public_keys(config.leaf_keys) if config.leaf_keys else frozenset()
         self._challenges: OrderedDict[bytes, float] = OrderedDict()
         #: SHA-256 of counted payloads -> the client they were counted from (bounded).
         self._counted: OrderedDict[bytes, str] = OrderedDict()
@@ -522,6 +527,11 @@ class AggregatorCore:
         elif self.config.require_identity:
             raise Unauthenticated("this server requires a node identity: sign a Challenge nonce "
                                   "with an Ed25519 key (clients make one unless given --key)")
+        if profile.device == "leaf" and self.config.require_identity \
+                and public_key not in self.leaf_keys:  # refused now, not at its first push
+            raise PermissionDenied(
+                f"leaf {quote(client_id)} is not registered here: add its key (the .pub of the "
+                f"leaf's --key FILE) to this server's --leaf-keys")
         # After the proof: nobody can spend another identity's join budget.
         now = self.clock()
         wait = self._join_limit.allow(client_id, now)
@@ -581,6 +591,34 @@ class AggregatorCore:
         if self.allowed_keys is not None and proof.public_key not in self.allowed_keys:
             raise PermissionDenied(f"key of {client_id} is not on this server's allow-list")
         return bytes(proof.public_key)
+
+    def _check_leaf(self, rec: ClientRecord) -> None:
+        """Only a registered leaf aggregator may push a partial aggregate: its count and weight
+        stand for many clients, so from anyone else one push could fill a buffer alone."""
+        if not self.takes_partials:
+            raise FailedPrecondition(
+                f"this aggregator's rule {self.config.defense!r} needs every update, so a "
+                f"leaf's partial aggregate cannot enter it; use a decomposable rule (fedavg) "
+                f"or connect the clients directly")
+        if self.config.require_identity and rec.public_key not in self.leaf_keys:
+            raise PermissionDenied(
+                f"only registered leaf aggregators may push partial aggregates, and the key of "
+                f"{quote(rec.client_id)} is not in this server's --leaf-keys (start the leaf "
+                f"with --key FILE and add FILE.pub to the parent's --leaf-keys)")
+
+    @staticmethod
+    def _check_partial(decoded: Decoded) -> None:
+        """A partial's count and weight must be those of real updates: each counts once and
+        weighs its example count (an integer from 1 to MAX_NUM_EXAMPLES), so its step, sum
+        over weight, is bounded like one update's (a tiny weight would escape the fold bound)."""
+        count, weight = int(decoded.count), float(decoded.weight or 0.0)
+        if not 1 <= count <= MAX_PARTIAL_COUNT:
+            raise InvalidArgument(f"a partial aggregate's count must lie in [1, "
+                                  f"{MAX_PARTIAL_COUNT}], got {count}")
+        if not count <= weight <= count * MAX_NUM_EXAMPLES:
+            raise InvalidArgument(f"a partial aggregate of {count} updates must weigh between "
+                                  f"{count} and {count} x {MAX_NUM_EXAMPLES} (one example count "
+                                  f"each), got {weight:.6g}")
 
     def _check_signature(self, rec: ClientRecord, header: UpdateHeader,
                          digest: bytes | None) -> None:
@@ -700,11 +738,8 @@ class AggregatorCore:
         if header.base_version > self.version:
             raise InvalidArgument(f"base version {header.base_version} is in the future "
                                   f"(global version is {self.version})")
-        if header.codec == PARTIAL_CODEC and not self.takes_partials:
-            raise FailedPrecondition(
-                f"this aggregator's rule {self.config.defense!r} needs every update, so a "
-                f"leaf's partial aggregate cannot enter it; use a decomposable rule (fedavg) "
-                f"or connect the clients directly")
+        if header.codec == PARTIAL_CODEC:
+            self._check_leaf(rec)
         if (rec.client_id, header.update_id) not in self._seen:
             self.policy.check_staleness(self.version - header.base_version)
         return rec
@@ -792,6 +827,8 @@ class AggregatorCore:
                 raise FailedPrecondition(self._finished_message())
             staleness = self.version - header.base_version  # versions may have been published
             self.policy.check_staleness(staleness)
+            if decoded.is_partial:
+                self._check_partial(decoded)
             mass = decoded.max_abs * (1.0 if decoded.is_partial else float(header.num_examples))
             if self.fold_mass + mass > self.fold_limit:
                 raise InvalidArgument(

@@ -54,6 +54,11 @@ def partial_payload(aggregator: Aggregator) -> tuple[bytes, float, int]:
     return encode_partial(**partial.as_arrays()), float(partial.weight), int(partial.count)
 
 
+#: Refusals of a partial that end the leaf's link (with the parent's reason in the log): no
+#: later partial would be taken either, and dropping its clients' work silently is worse.
+LEAF_FATAL_REFUSALS = frozenset({"PERMISSION_DENIED"})
+
+
 class LeafTrainer(Trainer):
     """The upstream link's trainer: 'training' on the parent's model is one local round."""
 
@@ -159,8 +164,12 @@ class Leaf:
             result, _ = transport.join_as(self.identity, DeviceProfile(device="leaf"),
                                           self.config.join_token)
         except RemoteError as exc:
-            raise ValueError(f"cannot reach the parent aggregator at {self.config.upstream} "
-                             f"(waited {self.connect_timeout_s:g} s): {exc.status}") from None
+            if exc.retryable:
+                raise ValueError(f"cannot reach the parent aggregator at "
+                                 f"{self.config.upstream} (waited {self.connect_timeout_s:g} "
+                                 f"s): {exc.status}") from None
+            raise ValueError(f"the parent aggregator at {self.config.upstream} refused this "
+                             f"leaf: {exc.message}") from None
         finally:
             transport.close()
         return result.settings
@@ -172,7 +181,8 @@ class Leaf:
         try:
             runtime = ClientRuntime(transport, self.trainer, identity=self.identity,
                                     profile=DeviceProfile(device="leaf", device_name=self.address),
-                                    token=self.config.join_token)
+                                    token=self.config.join_token,
+                                    fatal_refusals=LEAF_FATAL_REFUSALS)
             runtime.run()
             log.info("leaf %s: the parent says stop", self.name)
         except BaseException as exc:  # the link failed for good: stop serving

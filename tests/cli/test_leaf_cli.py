@@ -29,8 +29,10 @@ def _address(proc: subprocess.Popen[str]) -> str:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_clients_train_through_a_leaf_process(tmp_path: Path) -> None:
+    assert main(["keys", "new", "--out", str(tmp_path / "site-a.key")]) == 0
     top = _murmura("server", "--address", "127.0.0.1:0", "--min-clients", "1",
                    "--max-versions", "2", "--local-epochs", "1", "--linger-s", "1",
+                   "--leaf-keys", str(tmp_path / "site-a.key.pub"),
                    "--out", str(tmp_path / "top"), stdout=subprocess.PIPE,
                    stderr=subprocess.PIPE)
     procs = [top]
@@ -38,6 +40,7 @@ def test_clients_train_through_a_leaf_process(tmp_path: Path) -> None:
         top_address = _address(top)
         leaf = _murmura("server", "--role", "leaf", "--upstream", top_address, "--name",
                         "site-a", "--address", "127.0.0.1:0", "--min-clients", "2",
+                        "--key", str(tmp_path / "site-a.key"),
                         "--linger-s", "1", "--out", str(tmp_path / "leaf"),
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         procs.append(leaf)

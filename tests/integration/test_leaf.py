@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ import torch
 from murmura.client import ClientRuntime, FunctionTrainer, GrpcTransport, RemoteError, RetryPolicy
 from murmura.protocols import DeviceProfile, ModelSpec, UpdateHeader
 from murmura.protocols.codecs.partial import encode_partial
-from murmura.protocols.identity import NodeKey
+from murmura.protocols.identity import NodeKey, payload_digest
 from murmura.server import ServerConfig, ServerThread, build_core
 from murmura.server.leaf import Leaf
 from murmura.tasks import TaskConfig, load_task
@@ -49,14 +51,30 @@ def run_clients(addresses: list[str]) -> list[threading.Thread]:
     return threads
 
 
-def top_config(accumulator: str, min_clients: int) -> ServerConfig:
+def top_config(accumulator: str, min_clients: int, leaf_keys: str = "") -> ServerConfig:
     return ServerConfig(mode="sync", min_clients=min_clients, max_versions=VERSIONS,
-                        accumulator=accumulator, workers=0)
+                        accumulator=accumulator, workers=0, leaf_keys=leaf_keys)
 
 
-def leaf_config(upstream: str, name: str, accumulator: str) -> ServerConfig:
+def leaf_config(upstream: str, name: str, accumulator: str, keys: Path,
+                leaf_keys: str = "") -> ServerConfig:
     return ServerConfig(role="leaf", upstream=upstream, name=name, min_clients=2,
-                        accumulator=accumulator, workers=0)
+                        accumulator=accumulator, workers=0, key=str(keys / f"{name}.key"),
+                        leaf_keys=leaf_keys)
+
+
+def leaf_keys(keys: Path, *names: str) -> str:
+    """Write an identity key per leaf under ``keys``, and the parent's --leaf-keys file that
+    registers ``names``; returns that file's path."""
+    keys.mkdir(exist_ok=True)
+    lines = []
+    for name in names:
+        if not (keys / f"{name}.key").exists():
+            NodeKey.from_seed(name).save(keys / f"{name}.key")
+        lines.append((keys / f"{name}.key.pub").read_text())
+    registry = keys / ("registry-" + "-".join(names) + ".txt")
+    registry.write_text("".join(lines))
+    return str(registry)
 
 
 def flat_run(accumulator: str) -> np.ndarray:
@@ -70,15 +88,18 @@ def flat_run(accumulator: str) -> np.ndarray:
     return params
 
 
-def hierarchical_run(accumulator: str) -> tuple[np.ndarray, dict]:
-    core = build_core(top_config(accumulator, 1), TASK, out_dir=None, evaluate=False)
+def hierarchical_run(accumulator: str, keys: Path) -> tuple[np.ndarray, dict]:
+    core = build_core(top_config(accumulator, 1, leaf_keys(keys, "middle")), TASK, out_dir=None,
+                      evaluate=False)
     servers: list[ServerThread] = []
     try:
         top = ServerThread(core, "127.0.0.1:0").start()
         servers.append(top)
-        middle = ServerThread(Leaf(leaf_config(top.address, "middle", accumulator), TASK))
+        middle = ServerThread(Leaf(leaf_config(top.address, "middle", accumulator, keys,
+                                               leaf_keys(keys, "leaf-a", "leaf-b")), TASK))
         servers.append(middle.start())
-        leaves = [ServerThread(Leaf(leaf_config(middle.address, f"leaf-{x}", accumulator), TASK))
+        leaves = [ServerThread(Leaf(leaf_config(middle.address, f"leaf-{x}", accumulator, keys),
+                                    TASK))
                   for x in "ab"]
         for leaf in leaves:
             servers.append(leaf.start())
@@ -94,16 +115,16 @@ def hierarchical_run(accumulator: str) -> tuple[np.ndarray, dict]:
     return params, metrics
 
 
-def test_three_levels_give_the_flat_run_s_model_bit_for_bit_with_exact_sums() -> None:
+def test_three_levels_give_the_flat_run_s_model_bit_for_bit_with_exact_sums(tmp_path) -> None:
     flat = flat_run("exact")
-    tree, metrics = hierarchical_run("exact")
+    tree, metrics = hierarchical_run("exact", tmp_path)
     assert metrics["version"] == VERSIONS and metrics["updates_in_version"] == 4
     assert np.array_equal(flat, tree)
 
 
-def test_three_levels_match_the_flat_run_to_float32_rounding() -> None:
+def test_three_levels_match_the_flat_run_to_float32_rounding(tmp_path) -> None:
     flat = flat_run("float32")
-    tree, _ = hierarchical_run("float32")
+    tree, _ = hierarchical_run("float32", tmp_path)
     np.testing.assert_allclose(tree, flat, rtol=1e-5, atol=1e-7)
 
 
@@ -145,6 +166,14 @@ def test_bad_partials_are_refused_and_the_model_is_unchanged(top) -> None:
         "zero weight": (bytes(zero_weight), 0),
         "truncated": (encode_partial(weight=4.0, count=2, sum_f32=ok)[:-3], 0),
         "unknown version": (encode_partial(weight=4.0, count=2, sum_f32=ok), 7),
+        # the field reports: a tiny weight escaped the fold bound (1e-30 with values 1e8 moved
+        # the model by 1e38), 5e-324 was taken and its version dropped, 2**64-1 reached the
+        # metrics; a partial weighs at least one example per update it counts
+        "tiny weight": (encode_partial(weight=1e-30, count=1, sum_f32=ok * 2e8), 0),
+        "denormal weight": (encode_partial(weight=5e-324, count=1, sum_f32=ok), 0),
+        "weight below count": (encode_partial(weight=3.0, count=4, sum_f32=ok), 0),
+        "huge count": (encode_partial(weight=2.0**64, count=(1 << 64) - 1, sum_f32=ok), 0),
+        "weight over its examples": (encode_partial(weight=2.0**45, count=2, sum_f32=ok), 0),
     }
     for name, (payload, version) in cases.items():
         with pytest.raises(RemoteError) as err:
@@ -158,6 +187,47 @@ def test_bad_partials_are_refused_and_the_model_is_unchanged(top) -> None:
     assert version == 1
     np.testing.assert_allclose(params - before, ok / 4.0, rtol=1e-6)
     t.close()
+
+
+def test_only_registered_leaves_may_push_partials(tmp_path) -> None:
+    registry = leaf_keys(tmp_path, "site-a")
+    leaf_key = NodeKey.load(tmp_path / "site-a.key")
+    core = build_core(ServerConfig(mode="async", buffer_size=1, min_clients=1, max_versions=5,
+                                   workers=0, leaf_keys=registry), TASK, out_dir=None,
+                      evaluate=False)
+    partial = encode_partial(weight=4.0, count=2,
+                             sum_f32=np.full(core.spec.size, 0.5, np.float32))
+    with ServerThread(core, "127.0.0.1:0") as srv:
+        t = GrpcTransport(srv.address, timeout_s=10)
+        try:
+            # a client (any key not registered) is refused, before a payload byte is read
+            client = NodeKey.generate()
+            s = t.join_as(client, DeviceProfile())[0].session
+            header = client.sign_update(UpdateHeader(
+                session=s, update_id="p1", base_version=0, num_examples=4, codec="partial",
+                payload_bytes=len(partial), spec_fingerprint=TASK_FINGERPRINT),
+                payload_digest(partial))
+            with pytest.raises(RemoteError) as err:
+                t.push(header, partial)
+            assert err.value.status == "PERMISSION_DENIED"
+            assert "--leaf-keys" in err.value.message
+            # a process calling itself a leaf is refused at Join, naming the fix
+            with pytest.raises(RemoteError, match="not registered here"):
+                t.join_as(NodeKey.generate(), DeviceProfile(device="leaf"))
+            assert srv.call(lambda: (core.version, core.traffic.updates)) == (0, 0)
+            # the registered leaf's partial counts as its two updates
+            s = t.join_as(leaf_key, DeviceProfile(device="leaf"))[0].session
+            header = leaf_key.sign_update(dataclasses.replace(header, session=s),
+                                          payload_digest(partial))
+            assert not t.push(header, partial).duplicate
+            assert srv.call(lambda: (core.version, core.traffic.updates)) == (1, 1)
+        finally:
+            t.close()
+
+
+def test_leaf_keys_need_identities() -> None:
+    with pytest.raises(ValueError, match="leaf_keys needs require_identity"):
+        ServerConfig(leaf_keys="x.txt", require_identity=False)
 
 
 def test_non_positive_partial_weight_cannot_even_be_encoded() -> None:

@@ -23,7 +23,8 @@ def test_a_leaf_joins_its_parent_over_mutual_tls_under_its_own_key(tmp_path) -> 
                                        tls_cert=str(tmp_path / "top" / "server.crt"),
                                        tls_key=str(tmp_path / "top" / "server.key"),
                                        client_ca=str(tmp_path / "ca" / "ca.crt"),
-                                       allowed_keys=str(tmp_path / "site-a.key.pub")),
+                                       allowed_keys=str(tmp_path / "site-a.key.pub"),
+                                       leaf_keys=str(tmp_path / "site-a.key.pub")),
                           TASK, out_dir=None, evaluate=False)
     servers: list[ServerThread] = []
     try:
