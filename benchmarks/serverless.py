@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -398,6 +400,7 @@ def hierarchy(versions: int) -> dict[str, Any]:
     import torch
 
     from murmura.client import ClientRuntime, FunctionTrainer, GrpcTransport, RetryPolicy
+    from murmura.protocols.identity import NodeKey
     from murmura.server import ServerConfig, ServerThread, build_core
     from murmura.server.leaf import Leaf
     from murmura.tasks import TaskConfig, load_task
@@ -424,14 +427,31 @@ def hierarchy(versions: int) -> dict[str, Any]:
             out.append(th)
         return out
 
-    def top(min_clients: int) -> Any:
+    keys = Path(tempfile.mkdtemp(prefix="murmura-leaf-keys-"))
+
+    def key_file(name: str) -> Path:
+        """A leaf's identity key (made once) under ``keys``."""
+        path = keys / f"{name}.key"
+        if not path.exists():
+            NodeKey.from_seed(name).save(path)
+        return path
+
+    def registry(*names: str) -> str:
+        """The --leaf-keys file a parent registers the leaves ``names`` in."""
+        path = keys / f"{'-'.join(names)}.txt"
+        path.write_text("".join(Path(f"{key_file(n)}.pub").read_text() for n in names))
+        return str(path)
+
+    def top(min_clients: int, leaf_keys: str = "") -> Any:
         return build_core(ServerConfig(mode="sync", min_clients=min_clients, workers=0,
-                                       max_versions=versions, accumulator="exact"),
+                                       max_versions=versions, accumulator="exact",
+                                       leaf_keys=leaf_keys),
                           task_cfg, out_dir=None, evaluate=False)
 
-    def leaf(up: str, name: str) -> Any:
+    def leaf(up: str, name: str, leaf_keys: str = "") -> Any:
         return Leaf(ServerConfig(role="leaf", upstream=up, name=name, min_clients=2, workers=0,
-                                 accumulator="exact"), task_cfg)
+                                 accumulator="exact", key=str(key_file(name)),
+                                 leaf_keys=leaf_keys), task_cfg)
 
     core = top(4)
     with ServerThread(core, "127.0.0.1:0") as srv:
@@ -443,11 +463,12 @@ def hierarchy(versions: int) -> dict[str, Any]:
         for th in threads:  # while the server still answers: clients learn the run is over
             th.join(30)
 
-    core = top(1)
+    core = top(1, registry("middle"))
     servers = []
     try:
         servers.append(ServerThread(core, "127.0.0.1:0").start())
-        servers.append(ServerThread(leaf(servers[0].address, "middle")).start())
+        servers.append(ServerThread(leaf(servers[0].address, "middle",
+                                         registry("leaf-a", "leaf-b"))).start())
         for name in ("leaf-a", "leaf-b"):
             servers.append(ServerThread(leaf(servers[1].address, name)).start())
         t0 = time.perf_counter()
@@ -460,6 +481,7 @@ def hierarchy(versions: int) -> dict[str, Any]:
     finally:
         for s in reversed(servers):
             s.stop(grace=None)
+        shutil.rmtree(keys, ignore_errors=True)
     return {"identical": bool(np.array_equal(flat, tree)),
             "max_abs_diff": float(np.abs(flat - tree).max()),
             "flat_s_per_version": flat_s / versions, "tree_s_per_version": tree_s / versions,
