@@ -114,6 +114,10 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "max_payload_mb": "refuse updates larger than this many MB",
         "join_token": "clients must present this token at Join (empty: none needed)",
         "session_ttl_s": "a session unused this long expires (0: never)",
+        "dedup_ttl_s": "counted update ids, payload hashes and ended sessions are remembered "
+                       "this long (and at most 100,000 of each): a push retried later counts "
+                       "again, so keep it above the clients' --give-up-after-s (0: no age "
+                       "bound)",
         "max_sessions": "joins beyond this many live sessions are refused",
         "join_per_s": "joins per second per client id, bursts of 10 (0: no limit)",
         "push_per_s": "pushes per second per client id, bursts of 50 (0: no limit)",

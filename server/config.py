@@ -81,6 +81,7 @@ class ServerConfig:
     join_token: str = ""
     session_ttl_s: float = 3600.0  # a session unused this long expires (0: never)
     max_sessions: int = 100_000    # joins beyond this many live sessions are refused
+    dedup_ttl_s: float = 3600.0    # counted update ids and payload hashes are kept this long
     join_per_s: float = 1.0        # joins per second per client id, bursts of 10 (0: no limit)
     push_per_s: float = 10.0       # pushes per second per client id, bursts of 50 (0: no limit)
     seed: int = 0
@@ -201,7 +202,7 @@ class ServerConfig:
             raise ValueError(f"server_lr must be positive, got {self.server_lr}")
         if not self.max_payload_mb > 0:
             raise ValueError(f"max_payload_mb must be positive, got {self.max_payload_mb}")
-        for name in ("session_ttl_s", "join_per_s", "push_per_s"):
+        for name in ("session_ttl_s", "dedup_ttl_s", "join_per_s", "push_per_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {value}")

@@ -79,6 +79,7 @@ from murmura.server.policy import AsyncPolicy, CompassPolicy, Policy, SyncPolicy
 from murmura.server.pool import PoolState
 from murmura.server.publisher import Publisher
 from murmura.server.ratelimit import RateLimiter
+from murmura.server.recent import RecentMap
 from murmura.server.store import PendingUpdate, SpoolRef, StateStore, StoredState, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -184,8 +185,9 @@ class AggregatorCore:
         #: Public keys of the leaf aggregators that may push partial aggregates.
         self.leaf_keys = load_public_keys(config.leaf_keys) if config.leaf_keys else frozenset()
         self._challenges: OrderedDict[bytes, float] = OrderedDict()
-        #: SHA-256 of counted payloads -> the client they were counted from (bounded).
-        self._counted: OrderedDict[bytes, str] = OrderedDict()
+        #: SHA-256 of counted payloads -> the client they were counted from (bounded in
+        #: entries and age, like the other memories of past requests below).
+        self._counted: RecentMap[bytes, str] = RecentMap(SEEN_UPDATES, config.dedup_ttl_s, clock)
         pool = self._start_pool(start)
         #: The FedKSeed state in a seed-pool run (see server/pool.py), else None.
         self.pool = pool
@@ -199,14 +201,17 @@ class AggregatorCore:
         self._history: OrderedDict[int, FlatVector] = OrderedDict({self.version: self.params})
         self.sessions: dict[str, ClientRecord] = {}
         self._session_of: dict[str, str] = {}
-        self._left: OrderedDict[str, str] = OrderedDict()
+        self._left: RecentMap[str, str] = RecentMap(SEEN_UPDATES, config.dedup_ttl_s, clock)
         #: Sessions from least to most recently used, for expiry.
         self._last_seen: OrderedDict[str, float] = OrderedDict()
         #: Sessions whose waiting call was cancelled by the client's side, and when.
         self._lost: dict[str, float] = {}
         self._join_limit = RateLimiter(config.join_per_s, JOIN_BURST)
         self._push_limit = RateLimiter(config.push_per_s, PUSH_BURST)
-        self._seen: OrderedDict[tuple[str, str], int] = OrderedDict()
+        #: Counted (client id, update id) -> staleness: a retried push is answered as a
+        #: duplicate for as long as a client may retry it.
+        self._seen: RecentMap[tuple[str, str], int] = RecentMap(SEEN_UPDATES,
+                                                                config.dedup_ttl_s, clock)
         self._inflight: set[tuple[str, str]] = set()
         self._valid_header: UpdateHeader | None = None  # the last header check_header passed
         self.traffic = Traffic()
@@ -438,8 +443,6 @@ class AggregatorCore:
         if self._session_of.get(rec.client_id) == session:
             del self._session_of[rec.client_id]
         self._left[session] = rec.client_id
-        if len(self._left) > SEEN_UPDATES:
-            self._left.popitem(last=False)
         if self.store is not None:
             self._durable(StateStore.op_leave(session))
         self.policy.on_leave(rec)
@@ -875,12 +878,8 @@ class AggregatorCore:
             if not taken and release is not None:
                 release()
         self._seen[key] = staleness
-        if len(self._seen) > SEEN_UPDATES:
-            self._seen.popitem(last=False)
         if digest is not None:
             self._counted[digest] = rec.client_id
-            if len(self._counted) > SEEN_UPDATES:
-                self._counted.popitem(last=False)
         rec.updates += 1
         self._changed()
         return PushResult(duplicate=False, version=self.version, staleness=staleness)
@@ -904,6 +903,8 @@ class AggregatorCore:
         """Enforce deadlines and expire idle sessions; the transport calls this periodically."""
         now = self.clock()
         self.expire_sessions(now)
+        for memory in (self._seen, self._counted, self._left):
+            memory.expire(now)
         if self._lost:
             self._end_lost(now)
         self.policy.tick(now)
