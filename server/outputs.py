@@ -34,30 +34,49 @@ class RunRecorder:
         self.config = config or {}
         if rows is None and up_to is not None:
             rows = [r for r in read_rows(self.metrics_path) if r.get("version", 0) <= up_to]
-        self.rows: list[dict[str, Any]] = list(rows) if rows is not None else []
+        #: The last row and the best accuracy so far: what the summary needs, kept as the run
+        #: goes (every row stays on disk only, so a server's memory does not grow per version).
+        self.last: dict[str, Any] = {}
+        self.best_accuracy: float | None = None
+        self.count = 0
         if rows is not None:  # rewrite the file from the rows, atomically
             tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.rows),
+            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows),
                            encoding="utf-8")
             os.replace(tmp, self.metrics_path)
+            for r in rows:
+                self._note(r)
         self._file = self.metrics_path.open("a", encoding="utf-8")
+
+    def _note(self, row: dict[str, Any]) -> None:
+        self.last = row
+        self.count += 1
+        acc = row.get("accuracy")
+        if acc is not None and (self.best_accuracy is None or acc > self.best_accuracy):
+            self.best_accuracy = acc
 
     def record(self, row: dict[str, Any]) -> None:
         clean = clean_row(row)
-        self.rows.append(clean)
+        self._note(clean)
         self._file.write(json.dumps(clean, sort_keys=True) + "\n")
         self._file.flush()
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """Every row so far, read back from metrics.jsonl."""
+        if not self._file.closed:
+            self._file.flush()
+        return read_rows(self.metrics_path)
 
     def finish(self, extra: dict[str, Any] | None = None, *, plot: bool = True) -> dict[str, Any]:
         """Write summary.json (and the plots); return the summary."""
         self._file.close()
-        last = self.rows[-1] if self.rows else {}
-        accs = [r["accuracy"] for r in self.rows if r.get("accuracy") is not None]
+        last = self.last
         summary: dict[str, Any] = {
             "versions": last.get("version", 0),
             "final_accuracy": last.get("accuracy"),
             "final_loss": last.get("loss"),
-            "best_accuracy": max(accs) if accs else None,
+            "best_accuracy": self.best_accuracy,
             "time_s": last.get("time_s", 0.0),
             "updates": last.get("updates", 0),
             "bytes_up": last.get("bytes_up", 0),
@@ -68,7 +87,7 @@ class RunRecorder:
         summary.update(extra or {})
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True,
                                                               default=str))
-        if plot and self.rows:
+        if plot and self.count:
             try:
                 plot_run(self.rows, self.out_dir / "accuracy.png")
             except Exception:  # a missing plot must not lose a finished run's results
