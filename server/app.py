@@ -202,6 +202,8 @@ class AggregatorServer:
             await asyncio.sleep(self.tick_s)
             try:
                 self.core.tick()
+                if self.tier is not None:
+                    self.tier.tick()
             except Exception:  # a failing deadline check must not kill the server
                 log.exception("tick failed")
 

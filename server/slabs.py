@@ -31,6 +31,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -200,6 +201,7 @@ class SlabPool:
         self._lock = threading.Lock()
         self._segments: dict[str, shared_memory.SharedMemory] = {}  # every live segment
         self._idle: dict[int, list[shared_memory.SharedMemory]] = {}  # size -> oldest first
+        self._idle_since: dict[str, float] = {}  # idle segment -> when it was released
         self._in_use: dict[str, Slab] = {}
         self._in_use_bytes = 0
         self._idle_bytes = 0
@@ -236,6 +238,7 @@ class SlabPool:
             idle = self._idle.get(size)
             if idle:
                 shm = idle.pop()  # most recently used: its pages are the likeliest mapped
+                self._idle_since.pop(shm.name, None)
                 self._idle_bytes -= size
                 self.reused += 1
             else:
@@ -265,8 +268,28 @@ class SlabPool:
                 self._unlink(shm)
                 return False
             idle.append(shm)
+            self._idle_since[shm.name] = time.monotonic()
             self._idle_bytes += slab.size
             return True
+
+    def trim_idle(self, idle_s: float, *, now: float | None = None) -> int:
+        """Unlink the idle slabs nobody has taken for ``idle_s`` seconds; how many went. A
+        burst of concurrent pushes grows the pool; once the burst is over its slabs (shared
+        memory and their descriptors) go back, as idle decoding workers do."""
+        now = time.monotonic() if now is None else now
+        gone = 0
+        with self._lock:
+            for size, idle in self._idle.items():
+                keep = []
+                for shm in idle:
+                    if now - self._idle_since.get(shm.name, now) >= idle_s:
+                        self._idle_bytes -= size
+                        self._unlink(shm)
+                        gone += 1
+                    else:
+                        keep.append(shm)
+                idle[:] = keep
+        return gone
 
     def close(self) -> None:
         """Unlink every segment, lent or idle. Views still alive keep their pages (not their
@@ -325,6 +348,7 @@ class SlabPool:
 
     def _unlink(self, shm: shared_memory.SharedMemory) -> None:
         self._segments.pop(shm.name, None)
+        self._idle_since.pop(shm.name, None)
         _close_segment(shm, unlink=True)
         self.unlinked += 1
         logger.debug("slab %s unlinked", shm.name)

@@ -352,6 +352,12 @@ class Tier:
 
     # -- status -------------------------------------------------------------------------------
 
+    def tick(self) -> None:
+        """Periodic upkeep (the server's tick): receive slabs idle for ``worker_idle_s`` go,
+        as idle workers do, so a burst's shared memory and descriptors are given back."""
+        if self.slabs is not None:
+            self.slabs.trim_idle(self.config.worker_idle_s)
+
     def stats(self) -> dict[str, Any]:
         """Figures for the metrics row and the log: workers, queue, cold starts, decode time."""
         out: dict[str, Any] = {"decoded": self.decoded,

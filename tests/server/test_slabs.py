@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -87,6 +88,23 @@ def test_idle_slabs_beyond_the_per_class_limit_are_unlinked(make_pool) -> None:
 
 
 @needs_dev_shm
+@needs_dev_shm
+def test_slabs_idle_for_longer_than_the_idle_time_are_given_back(make_pool) -> None:
+    pool = make_pool(idle_per_class=8)
+    burst = [pool.acquire(1000) for _ in range(4)]
+    for slab in burst[:3]:
+        pool.release(slab)
+    names = {s.name for s in burst}
+    assert pool.trim_idle(10.0) == 0  # just released: kept for the next burst
+    assert pool.trim_idle(10.0, now=time.monotonic() + 11) == 3
+    assert pool.stats()["slabs_idle"] == 0 and pool.idle_bytes == 0
+    present = {p.name for p in SHM.iterdir()}
+    assert names & present == {burst[3].name}  # the lent one stays
+    pool.release(burst[3])
+    again = pool.acquire(1000)  # the pool still lends after a trim
+    assert again is not None and again.name not in names
+
+
 def test_idle_and_lent_slabs_together_stay_under_the_cap(make_pool) -> None:
     pool = make_pool(8 * MiB)
     small = pool.acquire(4 * MiB)
