@@ -106,11 +106,13 @@ def bind_flat(module: nn.Module, spec: ModelSpec, device: torch.device) -> torch
 def _perturber(theta: torch.Tensor, seed: int) -> Callable[[float], None]:
     """``perturb(c)`` adds ``c * z(seed)`` to theta in place.
 
-    A model no larger than one block keeps its ``z`` for the three perturbations of a step
-    (no bigger than the block ``apply_step`` would allocate anyway); a larger one regenerates
-    ``z`` block by block each time, so no model-sized temporary ever exists.
+    On a CPU, a model no larger than one block keeps its ``z`` for the three perturbations of a
+    step (no bigger than the block ``apply_step`` would allocate anyway); a larger one
+    regenerates ``z`` block by block each time, so no model-sized temporary ever exists. On
+    CUDA every perturbation is one fused kernel pass that draws ``z`` in registers.
     """
-    if theta.numel() > APPLY_BLOCK:
+    if theta.numel() > APPLY_BLOCK or theta.device.type == "cuda":
+        # on CUDA each perturbation is one fused pass (protocols/codecs/seed_triton.py)
         return lambda coeff: apply_step(theta, seed, coeff)
     z = prng.rademacher(seed, theta.numel(), device=theta.device)
 
@@ -175,9 +177,6 @@ class ZOTrainer(Trainer):
                              "raise codec option max_steps on the server")
         return codec
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        return float(self.loss_fn(self.model(x), y))
-
     def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
         self.spec.check_vector(params)
         codec = self._codec(settings)
@@ -206,17 +205,23 @@ class ZOTrainer(Trainer):
                     step_seed = next_seed()
                     perturb = _perturber(theta, step_seed)
                     perturb(eps)                    # theta + eps z
-                    plus = self._loss(x, y)
+                    plus_t = self.loss_fn(self.model(x), y)
                     perturb(-2 * eps)               # theta - eps z
-                    minus = self._loss(x, y)
-                    perturb(eps)                    # back to theta, up to rounding
+                    minus_t = self.loss_fn(self.model(x), y)
+                    # one host synchronisation per step: both losses are read together
+                    plus, minus = torch.stack((plus_t, minus_t)).double().tolist()
                     g = (plus - minus) / (2 * eps)
                     steps += 1
                     if math.isfinite(g):
-                        encoder.step(theta, seed=step_seed, g=g, lr=settings.lr)
+                        # back to theta and the step in one pass: theta + (eps + c) z. Up to
+                        # rounding, as the restore alone would be; the model is rebuilt
+                        # exactly from the log below.
+                        coeff = encoder.record(seed=step_seed, g=g, lr=settings.lr)
+                        perturb(float(np.float32(eps + float(coeff))))
                         loss_sum += 0.5 * (plus + minus)
                         g_abs += abs(g)
                     else:
+                        perturb(eps)                # back to theta, up to rounding
                         skipped += 1
                     if limit and steps >= limit:
                         break

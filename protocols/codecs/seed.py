@@ -28,6 +28,7 @@ bytes, whatever the model size.
 from __future__ import annotations
 
 import functools
+import logging
 import struct
 import sys
 from collections.abc import Callable, Sequence
@@ -81,6 +82,8 @@ _FLAG_INT8, _FLAG_SEED64, _FLAG_POOL = 1, 2, 4
 _POOL_STREAM = 0x706F6F6C  # "pool"
 #: Values per block when walking a model: big enough to amortise kernel launches, small enough
 #: that a block of the model and of z stay in a CPU's L2 cache while every step is applied.
+log = logging.getLogger(__name__)
+
 APPLY_BLOCK = 1 << 18
 #: Without ``gclip`` an int8 payload clips g at this multiple of the first non-zero |g|.
 _GCLIP_HEADROOM = 4.0
@@ -142,8 +145,26 @@ def apply_steps(theta: torch.Tensor, seeds: Sequence[int] | npt.NDArray[np.uint6
     steps = [(int(s), _as_float32(c)) for s, c in pairs if float(c) != 0.0]
     if theta.device.type == "cpu" and sys.byteorder == "little":
         _apply_steps_cpu(theta, steps, block)
+    elif theta.device.type == "cuda" and _fused_kernel_ready(theta.device):
+        from murmura.protocols.codecs import seed_triton
+
+        seed_triton.apply_steps_cuda(theta, [prng.stream_keys(s) for s, _ in steps],
+                                     [c for _, c in steps])
     else:
         _apply_steps_device(theta, steps, block)
+
+
+@functools.lru_cache(maxsize=8)
+def _fused_kernel_ready(device: torch.device) -> bool:
+    """Whether the one-pass Triton kernel serves ``device``; warns once when it cannot (the
+    exact torch path then runs, launch-bound and much slower on a GPU)."""
+    from murmura.protocols.codecs import seed_triton
+
+    if seed_triton.available(device):
+        return True
+    log.warning("triton is not available: seed steps on %s take the exact torch path, which "
+                "is much slower on a GPU (pip install triton)", device)
+    return False
 
 
 def _apply_steps_device(theta: torch.Tensor, steps: list[tuple[int, float]], block: int) -> None:
@@ -473,6 +494,14 @@ class SeedEncoder(Encoder):
         _check_theta(theta)
         if theta.numel() != self._size:
             raise ValueError(f"theta has {theta.numel()} values, expected {self._size}")
+        coeff = self.record(seed=seed, g=g, lr=lr)
+        apply_step(theta, seed, coeff)
+        return coeff
+
+    def record(self, *, seed: int, g: float, lr: float) -> np.float32:
+        """Log a step without applying it; returns its float32 coefficient. For a trainer that
+        folds the step into a pass it makes anyway (it must rebuild its model from the log, as
+        the server does, before it uses it: see ``ZOTrainer.train``)."""
         if len(self._seeds) >= self._codec.max_steps:
             raise ValueError(f"a payload holds at most max_steps={self._codec.max_steps} steps")
         if not 0 <= seed < (1 << self._codec.seed_bits):
@@ -487,7 +516,6 @@ class SeedEncoder(Encoder):
         self._lr = lr32
         applied, code = self._quantize(float(g))
         coeff = np.float32(step_coefficient(float(lr32), applied))
-        apply_step(theta, seed, coeff)
         self._seeds.append(int(seed))
         self._grads.append(applied)
         self._codes.append(code)

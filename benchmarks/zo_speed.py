@@ -1,0 +1,525 @@
+"""Zeroth-order step speed: Murmura's ZO trainer against plain PyTorch MeZO and the memory floor.
+
+One run, one device (``--device``: ``auto`` picks CUDA when there is one), and for every row the
+same model, batch, ``eps`` and ``lr``: a 64 -> H -> H -> 10 MLP (H = 960: 0.99 M parameters;
+H = 3072: 9.67 M; H = 9984: 100.4 M), cross-entropy on one fixed batch of 64 random examples.
+
+**Step time** (table 1), per step, best of a few interleaved repetitions:
+
+* ``murmura_ms`` — ``ZOTrainer(device=...).train`` with ``local_steps = S`` on an
+  ``ArrayDataset`` of exactly 64 examples (so every step sees the same batch), divided by S.
+  This is the whole task as a client runs it: the start vector copied in (from host memory, as
+  the runtime hands it over), per step the batch taken from the data set and moved to the
+  device, ``+eps z``, a loss, ``-2 eps z``, a loss, ``(eps + c) z``, and at the end the exact
+  rebuild of the model from the step log (``apply_steps``) and the payload. The per-task parts
+  are spread over S steps (S in the table). ``return_params=False``, as the client runtime uses
+  it. One warm-up call first (allocations; on CUDA the Triton kernel's compile).
+* ``mezo_ms`` — a plain PyTorch MeZO loop written here as MeZO's reference trainer does it: per
+  step a random seed; each parameter tensor perturbed in place by ``eps * z``, ``z`` regenerated
+  from the seed (a ``torch.Generator`` on the device, ``torch.normal(0, 1, size=p.shape)`` per
+  tensor) for every pass: ``+eps``, loss, ``-2 eps``, loss, ``+eps`` (restore), then the update
+  ``p -= lr * g * z``. Both losses are read with one ``.item()``, as the reference does. It runs
+  on the same module (its parameters are views of the trainer's flat vector: in-place updates
+  of those views cost what they cost on separate tensors).
+* ``floor_ms`` — the memory floor of a step: three read+write passes over theta
+  (``3 * 8 * n`` bytes) at the copy bandwidth measured on this device at this size
+  (``dst.copy_(src)`` on n float32 values, ``8 n / t``, best of several), plus the measured time
+  of two forward passes on the batch. ``murmura/floor`` compares the trainer with it.
+
+**Server replay** (table 2): ``replay_ms`` is ``seed.replay(theta_on_device, steps)`` for a
+300-step log (``--quick`` on a CPU and ``--smoke``: fewer steps, the table says how many): a copy
+of the reference plus every step applied, in one pass over theta per block. ``draw_ms`` is the
+time to draw the same Rademacher vectors with the best exact generator on that device without
+touching a model. On a CPU: for each stream, block by block, the words hashed into a reused
+buffer (``prng.hash_words_into``) and expanded to +-1 (``index_select`` into a reused block),
+as ``seed._apply_steps_cpu`` does but without the add, on one torch thread as it runs. On CUDA:
+one launch per stream of the fused kernel ``seed_triton.apply_steps_cuda`` with one step on a
+scratch vector, which therefore includes that vector's read and write per stream.
+
+Targets (computed from the measurements): on a CPU ``zo_step_vs_mezo_cpu_<size>`` <= 0.5 and
+``zo_step_vs_floor_cpu_<size>`` <= 2.0 for every size run; on CUDA
+``zo_step_vs_mezo_cuda_<size>`` <= 1.2, ``zo_step_ms_cuda_10M`` <= 1.0 ms and
+``zo_step_vs_floor_cuda_100M`` <= 3.0; ``replay_vs_draw_<device>`` <= 2.0 at the 10M size (the
+largest size run when 10M is not, e.g. under ``--smoke``). A CUDA target whose size was not run
+is reported with a NaN value, i.e. missed.
+
+Sizes: 1M, 10M and 100M (``--quick`` on a CPU: 1M and 10M; ``--smoke``: 10k and 100k;
+``--sizes`` overrides, e.g. ``--sizes 1M,30M``). Torch's default intra-op threads are used
+(the trainer's and the codec's CPU step kernels run on one thread by design).
+
+Imports. Only torch, numpy (and triton on CUDA) and this repository are needed: no gRPC, no
+Flower. ``murmura.client``'s ``__init__`` loads the client runtime and its gRPC transport, so
+``murmura.client`` is registered here as a bare package (its folder, its ``__init__`` not run)
+before ``murmura.client.zo`` is imported; the trainer measured is the library's own. Where the
+checkout is not pip-installed, setup.py's folder mapping is applied to the import system.
+
+Run: ``python benchmarks/zo_speed.py [--quick | --smoke] [--device {auto,cpu,cuda}]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import math
+import sys
+import time
+import types
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(ROOT))
+
+# setup.py's layout: the package `murmura` is cli/, `murmura.<layer>` is <layer>/.
+_LAYERS = ("aggregation", "client", "edge", "gossip", "protocols", "server", "simulation",
+           "tasks")
+
+
+class _CheckoutFinder(importlib.abc.MetaPathFinder):
+    """setup.py's ``package_dir`` mapping, for a checkout that is not pip-installed."""
+
+    folders = {"murmura": "cli", **{f"murmura.{layer}": layer for layer in _LAYERS}}
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        folder = self.folders.get(fullname)
+        if folder is None:
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, ROOT / folder / "__init__.py",
+            submodule_search_locations=[str(ROOT / folder)])
+
+
+def _import_trainer_without_runtime() -> None:
+    """Make ``murmura.client.zo`` importable without ``murmura.client.__init__`` (gRPC)."""
+    if importlib.util.find_spec("murmura") is None:
+        sys.meta_path.append(_CheckoutFinder())
+    if "murmura.client" in sys.modules:
+        return
+    found = importlib.util.find_spec("murmura.client")  # imports `murmura` (light), not this
+    if found is None or not found.submodule_search_locations:
+        raise ImportError("murmura.client not found")
+    bare = importlib.util.module_from_spec(
+        importlib.machinery.ModuleSpec("murmura.client", None, is_package=True))
+    bare.__path__ = list(found.submodule_search_locations)
+    sys.modules["murmura.client"] = bare
+    sys.modules["murmura"].client = bare  # type: ignore[attr-defined]
+
+
+_import_trainer_without_runtime()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks._report import (  # noqa: E402
+    Column,
+    Report,
+    interleaved,
+    parse_args,
+    progress,
+    time_once,
+)
+from murmura.client.zo import ZOTrainer  # noqa: E402
+from murmura.protocols import TaskSettings, prng  # noqa: E402
+from murmura.protocols.codecs import seed as seed_codec  # noqa: E402
+from murmura.protocols.codecs._util import one_torch_thread  # noqa: E402
+from murmura.protocols.codecs.seed import APPLY_BLOCK, ZOSteps  # noqa: E402
+
+NAME = "zo_speed"
+BATCH = 64
+FEATURES, CLASSES = 64, 10
+EPS, LR = 1e-3, 1e-4
+#: hidden width per size label (64 -> H -> H -> 10); other labels are solved for H
+HIDDEN = {"10k": 64, "100k": 280, "1M": 960, "10M": 3072, "100M": 9984}
+REPLAY_STEPS = 300
+TARGET_MEZO = {"cpu": 0.5, "cuda": 1.2}
+TARGET_FLOOR_CPU = 2.0
+TARGET_MS_CUDA_10M = 1.0
+TARGET_FLOOR_CUDA_100M = 3.0
+TARGET_REPLAY = 2.0
+
+
+# -- sizes -----------------------------------------------------------------------------------
+
+
+def param_count(hidden: int) -> int:
+    """Parameters of the 64 -> H -> H -> 10 MLP: weights and biases of its three layers."""
+    return (FEATURES + 1) * hidden + (hidden + 1) * hidden + (hidden + 1) * CLASSES
+
+
+def parse_size(label: str) -> int:
+    """``"10M"`` -> 10_000_000; also ``k`` and ``G`` suffixes or a plain integer."""
+    scale = {"k": 10**3, "M": 10**6, "G": 10**9}
+    text = label.strip()
+    try:
+        if text and text[-1] in scale:
+            return int(float(text[:-1]) * scale[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {label!r} (e.g. 1M, 250k)") from None
+
+
+def hidden_for(label: str) -> int:
+    """H for a size label: the table above, else the multiple of 32 closest to the size."""
+    if label in HIDDEN:
+        return HIDDEN[label]
+    n = parse_size(label)
+    root = (-(FEATURES + CLASSES + 2) + math.sqrt((FEATURES + CLASSES + 2) ** 2 + 4 * n)) / 2
+    return max(32, 32 * round(root / 32))
+
+
+def steps_per_call(n: int, device: str, quick: bool, smoke: bool) -> int:
+    """Local steps per timed ``train`` call: enough that the per-task work is spread thin."""
+    if smoke:
+        return 3
+    if device == "cuda":
+        return 100 if quick else 200
+    budget = 1e8 if quick else 2e8  # values touched per call, roughly constant time
+    return max(3, min(20 if quick else 40, int(budget / n)))
+
+
+# -- the cases -------------------------------------------------------------------------------
+
+
+def make_model(hidden: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                         nn.ReLU(), nn.Linear(hidden, CLASSES))
+
+
+def mezo_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int,
+               gen: torch.Generator, rng: np.random.Generator) -> float:
+    """``steps`` MeZO steps as the reference trainer takes them (see the module docstring)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def perturb(seed: int, scale: float) -> None:
+        gen.manual_seed(seed)  # the reference: torch.manual_seed(zo_random_seed)
+        for p in params:
+            z = torch.normal(0.0, 1.0, size=p.shape, device=p.device, generator=gen)
+            p.add_(z, alpha=scale * EPS)
+
+    g = 0.0
+    model.eval()
+    with torch.no_grad():
+        for _ in range(steps):
+            seed = int(rng.integers(1_000_000_000))
+            perturb(seed, 1.0)
+            loss1 = nn.functional.cross_entropy(model(x), y)
+            perturb(seed, -2.0)
+            loss2 = nn.functional.cross_entropy(model(x), y)
+            g = float(((loss1 - loss2) / (2 * EPS)).item())
+            perturb(seed, 1.0)
+            gen.manual_seed(seed)
+            for p in params:  # zo_update: p -= lr * g * z
+                z = torch.normal(0.0, 1.0, size=p.shape, device=p.device, generator=gen)
+                p.add_(z, alpha=-LR * g)
+    return g
+
+
+def draw_cpu(n: int, keys: Sequence[tuple[int, int]], block: int = APPLY_BLOCK) -> torch.Tensor:
+    """The CPU replay kernel's generator alone: every stream's +-1 values, block by block,
+    into reused buffers (``seed._apply_steps_cpu`` without the coefficient and the add).
+    Returns the buffer holding the last block drawn."""
+    max_words = (min(block, n) + 31) // 32 + 1  # a block may straddle one extra word
+    counter = np.arange(max_words, dtype=np.uint32)
+    words = np.empty(max_words, dtype=np.uint32)
+    scratch = np.empty(max_words, dtype=np.uint32)
+    index = torch.empty(4 * max_words, dtype=torch.int32)
+    values = torch.empty(32 * max_words, dtype=torch.float32)
+    as_bytes = torch.from_numpy(words.view(np.uint8))  # byte q of a word = its bits 8q..8q+7
+    table = prng._TABLE_CPU
+    with one_torch_thread(), torch.no_grad():
+        for stream in keys:
+            for start in range(0, n, block):
+                size = min(block, n - start)
+                first, last = start >> 5, (start + size - 1) >> 5
+                count = last - first + 1
+                prng.hash_words_into(stream, first, words[:count], scratch, counter)
+                index[: 4 * count].copy_(as_bytes[: 4 * count])
+                torch.index_select(table, 0, index[: 4 * count],
+                                   out=values[: 32 * count].view(-1, 8))
+    return values
+
+
+def draw_cuda(scratch: torch.Tensor, keys: Sequence[tuple[int, int]],
+              coeffs: Sequence[float]) -> None:
+    """One launch of the fused kernel per stream, one step each, on a scratch vector."""
+    from murmura.protocols.codecs import seed_triton
+
+    for key, coeff in zip(keys, coeffs, strict=True):
+        seed_triton.apply_steps_cuda(scratch, [key], [coeff])
+
+
+def _synced(fn: Callable[[], Any], sync: Callable[[], None]) -> Callable[[], Any]:
+    def run() -> Any:
+        out = fn()
+        sync()
+        return out
+    return run
+
+
+def best_time(fn: Callable[[], Any], repeats: int, sync: Callable[[], None],
+              inner: int = 1) -> float:
+    """Best of ``repeats`` timings of ``inner`` calls of ``fn`` (synchronised), per call."""
+    run = _synced(lambda: [fn() for _ in range(inner)], sync)
+    sync()
+    return min(time_once(run)[0] for _ in range(repeats)) / inner
+
+
+def copy_time(theta: torch.Tensor, repeats: int, sync: Callable[[], None], inner: int) -> float:
+    """Seconds of one ``dst.copy_(src)`` of theta's size on its device (read n, write n)."""
+    src = theta.detach().clone()
+    dst = torch.empty_like(src)
+    return best_time(lambda: dst.copy_(src), repeats, sync, inner=inner)
+
+
+# -- one size --------------------------------------------------------------------------------
+
+
+def measure_size(label: str, device: torch.device, *, quick: bool, smoke: bool, repeats: int,
+                 replay_steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    hidden = hidden_for(label)
+    n = param_count(hidden)
+    cuda = device.type == "cuda"
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+    steps = steps_per_call(n, device.type, quick, smoke)
+    progress(f"{label}: 64 -> {hidden} -> {hidden} -> 10 MLP, {n:,} parameters on {device}; "
+             f"{steps} steps per call")
+
+    from murmura.tasks import ArrayDataset
+
+    rng = np.random.default_rng(0)
+    data = ArrayDataset(rng.normal(size=(BATCH, FEATURES)).astype(np.float32),
+                        rng.integers(0, CLASSES, BATCH).astype(np.int64))
+    trainer = ZOTrainer(make_model(hidden), data, device=str(device), return_params=False)
+    model, theta = trainer.model, trainer.theta
+    assert theta.numel() == n, (theta.numel(), n)
+    start = theta.detach().to("cpu", copy=True).numpy()
+    x = torch.from_numpy(data.x).to(device)
+    y = torch.from_numpy(data.y).to(device)
+    settings = TaskSettings(trainer="zo", codec="seed", local_epochs=0, local_steps=steps,
+                            batch_size=BATCH, lr=LR, zo_eps=EPS)
+    gen = torch.Generator(device=device)
+    mezo_rng = np.random.default_rng(1)
+    task_seed = iter(range(10**6))
+
+    def murmura() -> Any:
+        return trainer.train(start, settings, seed=next(task_seed))
+
+    def mezo() -> float:
+        return mezo_steps(model, x, y, steps, gen, mezo_rng)
+
+    # warm-up: allocations, cuBLAS handles, the Triton kernel's compile
+    warm = TaskSettings(trainer="zo", codec="seed", local_epochs=0, local_steps=2,
+                        batch_size=BATCH, lr=LR, zo_eps=EPS)
+    trainer.train(start, warm, seed=10**7)
+    mezo_steps(model, x, y, 1, gen, mezo_rng)
+    sync()
+
+    def check(name: str, out: Any) -> None:
+        if name == "murmura":
+            assert out.metrics["steps"] == steps, out.metrics
+        else:
+            assert math.isfinite(out), out
+
+    times = interleaved({"murmura": _synced(murmura, sync), "mezo": _synced(mezo, sync)},
+                        repeats=repeats, check=check, label=f"{label} step")
+    murmura_ms = min(times["murmura"]) / steps * 1e3
+    mezo_ms = min(times["mezo"]) / steps * 1e3
+
+    # the floor: three read+write passes at the measured copy bandwidth, plus two forwards
+    copy_s = copy_time(theta, max(repeats, 3) + 2, sync, inner=20 if cuda else 3)
+    model.eval()
+
+    def two_forwards() -> float:
+        with torch.no_grad():
+            a = float(nn.functional.cross_entropy(model(x), y))
+            b = float(nn.functional.cross_entropy(model(x), y))
+        return a + b
+
+    fwd2_s = best_time(two_forwards, max(repeats, 3) + 2, sync)
+    bandwidth = 8 * n / copy_s
+    floor_ms = (3 * 8 * n / bandwidth + fwd2_s) * 1e3
+    progress(f"{label}: murmura {murmura_ms:.2f} ms/step, mezo {mezo_ms:.2f} ms/step, floor "
+             f"{floor_ms:.2f} ms (copy {bandwidth / 1e9:.1f} GB/s, two forwards "
+             f"{fwd2_s * 1e3:.2f} ms)")
+    step_row = {"size": label, "hidden": hidden, "params": n, "steps": steps,
+                "murmura_ms": murmura_ms, "mezo_ms": mezo_ms, "floor_ms": floor_ms,
+                "copy_gbs": bandwidth / 1e9, "fwd2_ms": fwd2_s * 1e3,
+                "murmura_vs_mezo": murmura_ms / mezo_ms, "murmura_vs_floor": murmura_ms / floor_ms}
+
+    # server replay of a step log, against the generator alone
+    log_rng = np.random.default_rng(2)
+    log = ZOSteps(lr=LR, seeds=log_rng.integers(1, 2**32, replay_steps, dtype=np.uint64),
+                  grads=log_rng.normal(size=replay_steps).astype(np.float32))
+    keys = [prng.stream_keys(int(s)) for s in log.seeds]
+    coeffs = [float(c) for c in log.coefficients]
+    draw: Callable[[], Any] | None
+    if cuda:
+        from murmura.protocols.codecs import seed_triton
+
+        scratch = torch.zeros(n, dtype=torch.float32, device=device)
+        draw = (lambda: draw_cuda(scratch, keys, coeffs)) if seed_triton.available(device) \
+            else None
+    else:
+        draw = lambda: draw_cpu(n, keys)  # noqa: E731
+        first = draw_cpu(min(n, APPLY_BLOCK), keys[:1])[: min(n, APPLY_BLOCK)]
+        assert torch.equal(first, prng.rademacher(int(log.seeds[0]), first.numel())), \
+            "draw_cpu is not the seed codec's stream"
+
+    def replay() -> torch.Tensor:
+        return seed_codec.replay(theta, log)
+
+    cases: dict[str, Callable[[], Any]] = {"replay": _synced(replay, sync)}
+    if draw is not None:
+        cases["draw"] = _synced(draw, sync)
+    short = ZOSteps(lr=LR, seeds=log.seeds[:2], grads=log.grads[:2])
+    seed_codec.replay(theta, short)  # warm-up
+    if draw is not None and cuda:
+        draw_cuda(scratch, keys[:2], coeffs[:2])
+    elif draw is not None:
+        draw_cpu(n, keys[:2])
+    sync()
+    times = interleaved(cases, repeats=repeats, label=f"{label} replay of {replay_steps} steps")
+    replay_ms = min(times["replay"]) * 1e3
+    draw_ms = min(times["draw"]) * 1e3 if draw is not None else math.nan
+    replay_row = {"size": label, "params": n, "steps": replay_steps, "replay_ms": replay_ms,
+                  "draw_ms": draw_ms, "replay_vs_draw": replay_ms / draw_ms,
+                  "replay_ns_per_value_step": replay_ms * 1e6 / (n * replay_steps)}
+    return step_row, replay_row
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def _extra_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the model and theta live (auto: CUDA when available)")
+    parser.add_argument("--sizes", default=None, metavar="LIST",
+                        help="comma-separated model sizes, e.g. 1M,10M,100M (default: 1M, 10M, "
+                             "100M; --quick on a CPU 1M, 10M; --smoke 10k, 100k)")
+
+
+def _versions() -> dict[str, Any]:
+    try:
+        import triton
+    except Exception:  # noqa: BLE001 - any failure means: not usable here
+        triton_version = None
+    else:
+        triton_version = getattr(triton, "__version__", "unknown")
+    return {"torch": torch.__version__, "triton": triton_version}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(NAME, __doc__.splitlines()[0], argv, extra=_extra_args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here")
+    kind = "cuda" if args.device == "cuda" or (args.device == "auto"
+                                              and torch.cuda.is_available()) else "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" \
+        else torch.device("cpu")
+    if args.sizes:
+        sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+        for s in sizes:
+            parse_size(s)
+    elif args.smoke:
+        sizes = ["10k", "100k"]
+    elif args.quick and kind == "cpu":
+        sizes = ["1M", "10M"]
+    else:
+        sizes = ["1M", "10M", "100M"]
+    repeats = 1 if args.smoke else 2 if args.quick else 3
+    replay_steps = 5 if args.smoke else 60 if (args.quick and kind == "cpu") else REPLAY_STEPS
+    device_name = torch.cuda.get_device_name(device) if kind == "cuda" else None
+
+    # One result per device kind (results/zo_speed.json, results/zo_speed_cuda.json): a CPU run
+    # and a GPU run, usually on different machines, do not replace each other.
+    report = Report(NAME if kind == "cpu" else f"{NAME}_cuda", quick=args.quick)
+    report.params.update({
+        "device": str(device), "device_name": device_name or report.machine["cpu_model"],
+        **_versions(), "torch_threads": torch.get_num_threads(), "sizes": sizes,
+        "batch": BATCH, "eps": EPS, "lr": LR, "repeats": repeats, "replay_steps": replay_steps,
+    })
+    if kind == "cpu":
+        report.params["gpu_rows"] = "not run (no CUDA device here)"
+    progress(f"device {device} ({report.params['device_name']}), sizes {', '.join(sizes)}, "
+             f"best of {repeats}")
+
+    step_rows, replay_rows = [], []
+    for label in sizes:
+        t0 = time.perf_counter()
+        step_row, replay_row = measure_size(label, device, quick=args.quick, smoke=args.smoke,
+                                            repeats=repeats, replay_steps=replay_steps)
+        step_rows.append(step_row)
+        replay_rows.append(replay_row)
+        if kind == "cuda":
+            torch.cuda.empty_cache()
+        progress(f"{label} done in {time.perf_counter() - t0:.1f} s")
+
+    where = f"{device_name} (CUDA)" if device_name else \
+        f"CPU, {report.machine['cpus_usable']} cores"
+    report.note(
+        f"Device: {where}; torch {report.params['torch']}, triton {report.params['triton']}. "
+        f"64 -> H -> H -> 10 MLP, cross-entropy on one fixed batch of {BATCH} random examples, "
+        f"eps {EPS:g}, lr {LR:g}; best of {repeats} interleaved repetitions. `murmura` is "
+        "`ZOTrainer.train` with `local_steps` = S divided by S (the task's copy-in and its "
+        "exact rebuild from the step log included); `mezo` is the reference MeZO loop in plain "
+        "PyTorch (Gaussian z regenerated per tensor for each of its four passes); `floor` is "
+        "three read+write passes over theta at the measured copy bandwidth plus two forward "
+        "passes.")
+    if kind == "cpu":
+        report.note("GPU rows not run: no CUDA device here (`python benchmarks/zo_speed.py "
+                    "--device cuda` on a GPU machine measures them).")
+    if args.quick or args.smoke:
+        report.note(f"{'Smoke' if args.smoke else 'Quick'} run: sizes {', '.join(sizes)}; the "
+                    f"replay log has {replay_steps} steps instead of {REPLAY_STEPS}.")
+
+    ms = "{:,.2f}".format
+    ratio = "{:.2f}".format
+    report.table(f"Zeroth-order step time on {kind}", [
+        Column("size", "size"), Column("params", "parameters", "{:,}"),
+        Column("steps", "S"), Column("murmura_ms", "murmura ms/step", ms),
+        Column("mezo_ms", "mezo ms/step", ms), Column("floor_ms", "floor ms", ms),
+        Column("copy_gbs", "copy GB/s", "{:.1f}"), Column("fwd2_ms", "2 forwards ms", ms),
+        Column("murmura_vs_mezo", "murmura/mezo", ratio),
+        Column("murmura_vs_floor", "murmura/floor", ratio)], step_rows)
+    report.table(f"Server replay of a {replay_steps}-step update on {kind}", [
+        Column("size", "size"), Column("params", "parameters", "{:,}"),
+        Column("steps", "steps"), Column("replay_ms", "replay ms", ms),
+        Column("draw_ms", "draw ms", ms), Column("replay_vs_draw", "replay/draw", ratio),
+        Column("replay_ns_per_value_step", "replay ns/value/step", "{:.3f}")], replay_rows)
+
+    by_size = {r["size"]: r for r in step_rows}
+    for r in step_rows:
+        report.target(f"zo_step_vs_mezo_{kind}_{r['size']}", r["murmura_vs_mezo"], "<=",
+                      TARGET_MEZO[kind], unit="x")
+        if kind == "cpu":
+            report.target(f"zo_step_vs_floor_cpu_{r['size']}", r["murmura_vs_floor"], "<=",
+                          TARGET_FLOOR_CPU, unit="x")
+    if kind == "cuda":
+        r10 = by_size.get("10M")
+        report.target("zo_step_ms_cuda_10M", r10["murmura_ms"] if r10 else math.nan, "<=",
+                      TARGET_MS_CUDA_10M, unit="ms",
+                      detail="" if r10 else "10M not run: NaN")
+        r100 = by_size.get("100M")
+        report.target("zo_step_vs_floor_cuda_100M", r100["murmura_vs_floor"] if r100
+                      else math.nan, "<=", TARGET_FLOOR_CUDA_100M, unit="x",
+                      detail="" if r100 else "100M not run: NaN")
+    replay_by_size = {r["size"]: r for r in replay_rows}
+    at = "10M" if "10M" in replay_by_size else max(replay_rows, key=lambda r: r["params"])["size"]
+    report.target(f"replay_vs_draw_{kind}", replay_by_size[at]["replay_vs_draw"], "<=",
+                  TARGET_REPLAY, unit="x", detail=f"at {at}, {replay_steps} steps")
+    if kind == "cuda":
+        report.note("On CUDA `draw` launches the fused kernel once per stream on a scratch "
+                    "vector, so it also reads and writes that vector once per stream; the "
+                    "replay reads and writes theta once for the whole log.", after_tables=True)
+    return report.finish(save=not args.no_save)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
