@@ -68,6 +68,22 @@ def seed_codec_for(settings: TaskSettings) -> SeedCodec:
     return codec
 
 
+def model_bytes(module: nn.Module) -> int:
+    """Bytes of the module's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+def check_fits(nbytes: int, device: torch.device, free_bytes: int) -> None:
+    """Refuse (ValueError, one line) a model that cannot be trained zeroth-order on ``device``:
+    binding it to one flat vector holds it twice for a moment, and the forward passes need
+    room for activations (a tenth of the free memory is kept for them)."""
+    if 2 * nbytes > 0.9 * free_bytes:
+        raise ValueError(f"the model ({nbytes / 1e9:.2f} GB) does not fit on {device} for "
+                         f"zeroth-order training: {free_bytes / 1e9:.2f} GB free, about "
+                         f"{2 * nbytes / 0.9e9:.2f} GB needed; use a smaller model or another "
+                         f"device (--device cpu)")
+
+
 def bind_flat(module: nn.Module, spec: ModelSpec, device: torch.device) -> torch.Tensor:
     """Re-point every floating tensor of ``module`` at a slice of one new flat float32 vector.
 
@@ -144,6 +160,9 @@ class ZOTrainer(Trainer):
                  *, loss_fn: LossFn = nn.functional.cross_entropy, device: str = "auto",
                  num_examples: int | None = None, return_params: bool = True) -> None:
         self.device = resolve_device(device)
+        if self.device.type == "cuda":  # refuse in one line, not with an allocator trace
+            free, _ = torch.cuda.mem_get_info(self.device)
+            check_fits(model_bytes(model), self.device, free)
         self.model = model.to(self.device)
         self.spec = ModelSpec.from_module(self.model)
         self.theta = bind_flat(self.model, self.spec, self.device)
@@ -171,10 +190,11 @@ class ZOTrainer(Trainer):
             self._warned_codec = True
         codec = seed_codec_for(settings)
         planned = self.planned_steps(settings)
-        if planned is not None and planned > codec.max_steps:
-            raise ValueError(f"{planned} zeroth-order steps per task exceed the seed codec's "
-                             f"max_steps={codec.max_steps}; lower local_steps/local_epochs or "
-                             "raise codec option max_steps on the server")
+        if planned is not None and planned * codec.q > codec.max_steps:
+            raise ValueError(f"{planned} zeroth-order steps per task x q={codec.q} perturbations "
+                             f"exceed the seed codec's max_steps={codec.max_steps}; lower "
+                             "local_steps/local_epochs or q, or raise codec option max_steps on "
+                             "the server")
         return codec
 
     def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
@@ -202,27 +222,29 @@ class ZOTrainer(Trainer):
                 before = steps
                 for x, y in iter_batches(self.data, settings.batch_size, gen):
                     x, y = x.to(self.device), y.to(self.device)
-                    step_seed = next_seed()
-                    perturb = _perturber(theta, step_seed)
-                    perturb(eps)                    # theta + eps z
-                    plus_t = self.loss_fn(self.model(x), y)
-                    perturb(-2 * eps)               # theta - eps z
-                    minus_t = self.loss_fn(self.model(x), y)
-                    # one host synchronisation per step: both losses are read together
-                    plus, minus = torch.stack((plus_t, minus_t)).double().tolist()
-                    g = (plus - minus) / (2 * eps)
                     steps += 1
-                    if math.isfinite(g):
-                        # back to theta and the step in one pass: theta + (eps + c) z. Up to
-                        # rounding, as the restore alone would be; the model is rebuilt
-                        # exactly from the log below.
-                        coeff = encoder.record(seed=step_seed, g=g, lr=settings.lr)
-                        perturb(float(np.float32(eps + float(coeff))))
-                        loss_sum += 0.5 * (plus + minus)
-                        g_abs += abs(g)
-                    else:
-                        perturb(eps)                # back to theta, up to rounding
-                        skipped += 1
+                    for _ in range(codec.q):  # q directions on this batch (n-SPSA)
+                        step_seed = next_seed()
+                        perturb = _perturber(theta, step_seed)
+                        perturb(eps)                    # theta + eps z
+                        plus_t = self.loss_fn(self.model(x), y)
+                        perturb(-2 * eps)               # theta - eps z
+                        minus_t = self.loss_fn(self.model(x), y)
+                        # one host synchronisation per direction: both losses read together
+                        plus, minus = torch.stack((plus_t, minus_t)).double().tolist()
+                        g = (plus - minus) / (2 * eps)
+                        if math.isfinite(g):
+                            # back to theta and the step in one pass: theta + (eps + c) z. Up
+                            # to rounding, as the restore alone would be; the model is rebuilt
+                            # exactly from the log below.
+                            coeff = encoder.record(seed=step_seed, g=g / codec.q,
+                                                   lr=settings.lr)
+                            perturb(float(np.float32(eps + float(coeff))))
+                            loss_sum += 0.5 * (plus + minus)
+                            g_abs += abs(g)
+                        else:
+                            perturb(eps)                # back to theta, up to rounding
+                            skipped += 1
                     if limit and steps >= limit:
                         break
                 if (limit and steps >= limit) or steps == before:  # done, or no data at all
@@ -235,7 +257,7 @@ class ZOTrainer(Trainer):
         apply_steps(theta, log_.seeds, log_.coefficients)
         clipped = encoder.clipped
         payload = encoder.encode(np.broadcast_to(np.float32(0), (self.spec.size,)))
-        kept = steps - skipped
+        kept = steps * codec.q - skipped  # directions whose estimate was finite
         metrics = {"train_loss": loss_sum / max(kept, 1), "steps": float(steps),
                    "zo_g_abs": g_abs / max(kept, 1)}
         # Metrics travel in the update header: only report the exceptional ones when they occur.

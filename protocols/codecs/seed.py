@@ -295,7 +295,10 @@ class SeedCodec(Codec):
     payload may carry), ``gclip`` (int8 only: g is clipped to +-gclip; default 4x the first
     non-zero |g| of the payload), ``pool`` (default 0: off; K > 0 draws every step seed from
     FedKSeed's shared pool of K seeds, see :class:`SeedPool`, so the server can aggregate in K
-    pool coordinates and a client can catch up by downloading K scalars instead of the model).
+    pool coordinates and a client can catch up by downloading K scalars instead of the model),
+    ``q`` (default 1: perturbations per batch; q > 1 is MeZO's n-SPSA: q directions on the same
+    batch, each logged as its own step with ``g / q``, so the log holds q entries per batch and
+    the model moves by the mean of the q estimates, applied one after another).
     Payload: 16 + steps * (seed bytes + scalar bytes) bytes.
     """
 
@@ -308,6 +311,7 @@ class SeedCodec(Codec):
         self.seed_bits = parse_choice(self.name, opts, "seed_bits", "32", {"32": 32, "64": 64})
         self.max_steps = parse_int_option(self.name, opts, "max_steps", 1024, low=1, high=1 << 20)
         self.pool_size = parse_int_option(self.name, opts, "pool", 0, low=0, high=1 << 16)
+        self.q = parse_int_option(self.name, opts, "q", 1, low=1, high=64)
         has_gclip = "gclip" in opts
         gclip = parse_float_option(self.name, opts, "gclip", 0.0, low=1e-30, high=1e30)
         if has_gclip and not self.int8:

@@ -38,7 +38,7 @@ def zo_settings(**overrides: object) -> TaskSettings:
     return TaskSettings(**base)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("options", [{}, {"dtype": "int8"}, {"seed_bits": "64"}])
+@pytest.mark.parametrize("options", [{}, {"dtype": "int8"}, {"seed_bits": "64"}, {"q": "3"}])
 def test_server_replay_reproduces_the_client_model(digits, options: dict[str, str]) -> None:
     # Prepare: one ZO client against the real core, which applies every update at once
     settings = zo_settings(codec_options=options)
@@ -59,7 +59,7 @@ def test_server_replay_reproduces_the_client_model(digits, options: dict[str, st
     assert header.codec == "seed" and header.payload_bytes == len(payload)
     codec = create_codec("seed", options)
     assert isinstance(codec, SeedCodec)
-    assert len(payload) == codec.payload_bytes(settings.local_steps)
+    assert len(payload) == codec.payload_bytes(settings.local_steps * codec.q)
     client_model = trainer.spec.flatten(trainer.model)
     assert sha256(replay(start, codec.unpack(payload))) == sha256(client_model)
     assert sha256(client_model) != sha256(start)
@@ -102,6 +102,25 @@ def test_too_many_steps_for_the_codec_are_refused_before_training(digits) -> Non
     start = trainer.spec.flatten(trainer.model)
     with pytest.raises(ValueError, match="max_steps"):
         trainer.train(start, zo_settings(codec_options={"max_steps": "10"}), seed=0)
+    with pytest.raises(ValueError, match="q=8 perturbations exceed"):  # 40 steps x 8 > 300
+        trainer.train(start, zo_settings(codec_options={"max_steps": "300", "q": "8"}), seed=0)
+
+
+def test_q_directions_per_batch_average_their_estimates(digits) -> None:
+    """q > 1 (n-SPSA): q log entries per batch, each carrying g/q, and the model still matches
+    the log's replay exactly."""
+    trainer = ZOTrainer(digits.build_model(), digits.client_data(0, 4), device="cpu")
+    start = trainer.spec.flatten(trainer.model)
+    one = trainer.train(start, zo_settings(local_steps=10), seed=3)
+    four = trainer.train(start, zo_settings(local_steps=10, codec_options={"q": "4"}), seed=3)
+    codec = create_codec("seed", {"q": "4"})
+    assert isinstance(codec, SeedCodec) and codec.q == 4
+    steps = codec.unpack(four.encoded[1])
+    assert len(steps) == 40 and four.metrics["steps"] == 10
+    assert np.abs(steps.grads).mean() < np.abs(codec.unpack(one.encoded[1]).grads).mean()
+    assert sha256(replay(start, steps)) == sha256(four.params)
+    with pytest.raises(ValueError, match="q"):
+        create_codec("seed", {"q": "0"})
 
 
 def test_federated_zo_on_digits_beats_the_initial_model(digits) -> None:
@@ -239,3 +258,14 @@ def test_client_config_checks_the_trainer_choice() -> None:
         ClientConfig(trainer="adam")
     with pytest.raises(ValueError, match="zo_lr"):
         ClientConfig(zo_lr=-1.0)
+
+
+def test_a_model_too_large_for_the_device_is_a_one_line_error() -> None:
+    from murmura.client.zo import check_fits, model_bytes
+
+    model = torch.nn.Linear(1000, 1000)
+    assert model_bytes(model) == 4 * (1000 * 1000 + 1000)
+    check_fits(model_bytes(model), torch.device("cuda", 0), 10 * model_bytes(model))
+    with pytest.raises(ValueError, match=r"does not fit on cuda:0 .* GB free") as err:
+        check_fits(model_bytes(model), torch.device("cuda", 0), model_bytes(model))
+    assert "\n" not in str(err.value)
