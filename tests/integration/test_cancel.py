@@ -68,6 +68,17 @@ def durable_server(tmp_path, serve):
         core.store.before_commit = None
 
 
+@pytest.fixture
+def clients(durable_server):
+    """(t, hasty): a patient client, and one whose calls time out after HASTY_S."""
+    srv, _ = durable_server
+    t = GrpcTransport(srv.address, timeout_s=20)
+    hasty = GrpcTransport(srv.address, timeout_s=HASTY_S)
+    yield t, hasty
+    t.close()
+    hasty.close()
+
+
 def _hold_commits(core):
     """Hold every group commit until the returned event is set."""
     gate = threading.Event()
@@ -77,75 +88,65 @@ def _hold_commits(core):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("point", [p for p in AWAIT_POINTS if p.startswith("push.")])
-def test_push_cancelled_at_each_await_point_lands_once(durable_server, point) -> None:
+def test_push_cancelled_at_each_await_point_lands_once(durable_server, clients, point) -> None:
     srv, core = durable_server
-    t = GrpcTransport(srv.address, timeout_s=20)
-    hasty = GrpcTransport(srv.address, timeout_s=HASTY_S)
-    try:
-        session = t.join("a", DeviceProfile())[0].session
-        gate = first = None
-        if point == "push.duplicate":
+    t, hasty = clients
+    session = t.join("a", DeviceProfile())[0].session
+    gate = first = None
+    if point == "push.duplicate":
+        gate = _hold_commits(core)
+        # u1's first push waits for its held commit while its retry is cancelled.
+        first = concurrent.futures.ThreadPoolExecutor(1).submit(
+            t.push, header(session, "u1"), PAYLOAD)
+        wait_until(lambda: srv.call(lambda: core.traffic.updates) == 1, what="u1 taken")
+    else:
+        # u1 fills half the buffer, so u2 completes a version (the publish await points).
+        assert not t.push(header(session, "u1"), PAYLOAD).duplicate
+        if point == "push.durable":
             gate = _hold_commits(core)
-            # u1's first push waits for its held commit while its retry is cancelled.
-            first = concurrent.futures.ThreadPoolExecutor(1).submit(
-                t.push, header(session, "u1"), PAYLOAD)
-            wait_until(lambda: srv.call(lambda: core.traffic.updates) == 1, what="u1 taken")
-        else:
-            # u1 fills half the buffer, so u2 completes a version (the publish await points).
-            assert not t.push(header(session, "u1"), PAYLOAD).duplicate
-            if point == "push.durable":
-                gate = _hold_commits(core)
-        target = "u1" if point == "push.duplicate" else "u2"
-        hook = Canceller(point)
-        srv.server.servicer.await_hook = hook
-        with pytest.raises(RemoteError):
-            hasty.push(header(session, target), PAYLOAD)
-        assert hook.fired.is_set(), f"the push never reached {point}: {hook.seen}"
-        srv.server.servicer.await_hook = None
-        if gate is not None:
-            gate.set()
-        if first is not None:
-            assert not first.result(20).duplicate
-        # The server answers at once, and a retry of the cancelled update counts it once.
-        reply = t.push(header(session, target), PAYLOAD)
-        if point in ("push.receive", "push.decode", "push.spool"):
-            assert not reply.duplicate  # cancelled before it was taken: taken now
-        else:
-            assert reply.duplicate      # taken before the cancel: answered as a duplicate
-        for uid in sorted({"u2", "u3", "u4"} - {target}):  # 4 distinct updates: 2 versions
-            base = srv.call(lambda: core.version)
-            assert not t.push(header(session, uid, base), PAYLOAD).duplicate
-        wait_until(lambda: srv.call(lambda: core.version) >= 2, what="version 2")
-        assert srv.call(lambda: core.traffic.updates) == 4  # u1..u4, none twice
-        assert srv.call(lambda: core.store_error) is None
-        # the durable state holds every acknowledged update once: nothing pending twice
-        assert srv.call(lambda: core.policy.buffered()) == 0
-        t.join("b", DeviceProfile())  # Join is not stuck behind a dead store thread
-    finally:
-        t.close()
-        hasty.close()
+    target = "u1" if point == "push.duplicate" else "u2"
+    hook = Canceller(point)
+    srv.server.servicer.await_hook = hook
+    with pytest.raises(RemoteError):
+        hasty.push(header(session, target), PAYLOAD)
+    assert hook.fired.is_set(), f"the push never reached {point}: {hook.seen}"
+    srv.server.servicer.await_hook = None
+    if gate is not None:
+        gate.set()
+    if first is not None:
+        assert not first.result(20).duplicate
+    # The server answers at once, and a retry of the cancelled update counts it once.
+    reply = t.push(header(session, target), PAYLOAD)
+    if point in ("push.receive", "push.decode", "push.spool"):
+        assert not reply.duplicate  # cancelled before it was taken: taken now
+    else:
+        assert reply.duplicate      # taken before the cancel: answered as a duplicate
+    for uid in sorted({"u2", "u3", "u4"} - {target}):  # 4 distinct updates: 2 versions
+        base = srv.call(lambda: core.version)
+        assert not t.push(header(session, uid, base), PAYLOAD).duplicate
+    wait_until(lambda: srv.call(lambda: core.version) >= 2, what="version 2")
+    assert srv.call(lambda: core.traffic.updates) == 4  # u1..u4, none twice
+    assert srv.call(lambda: core.store_error) is None
+    # the durable state holds every acknowledged update once: nothing pending twice
+    assert srv.call(lambda: core.policy.buffered()) == 0
+    t.join("b", DeviceProfile())  # Join is not stuck behind a dead store thread
 
 
 @pytest.mark.integration
-def test_join_cancelled_while_its_session_commits(durable_server) -> None:
+def test_join_cancelled_while_its_session_commits(durable_server, clients) -> None:
     srv, core = durable_server
-    t = GrpcTransport(srv.address, timeout_s=20)
-    hasty = GrpcTransport(srv.address, timeout_s=HASTY_S)
-    try:
-        hook = Canceller("join.durable")
-        srv.server.servicer.await_hook = hook
-        gate = _hold_commits(core)
-        with pytest.raises(RemoteError):
-            hasty.join("a", DeviceProfile())
-        assert hook.fired.is_set()
-        srv.server.servicer.await_hook = None
-        gate.set()
-        session = t.join("a", DeviceProfile())[0].session  # joins again, at once
-        assert not t.push(header(session, "u1"), PAYLOAD).duplicate
-        assert srv.call(lambda: core.store_error) is None
-    finally:
-        t.close()
-        hasty.close()
+    t, hasty = clients
+    hook = Canceller("join.durable")
+    srv.server.servicer.await_hook = hook
+    gate = _hold_commits(core)
+    with pytest.raises(RemoteError):
+        hasty.join("a", DeviceProfile())
+    assert hook.fired.is_set()
+    srv.server.servicer.await_hook = None
+    gate.set()
+    session = t.join("a", DeviceProfile())[0].session  # joins again, at once
+    assert not t.push(header(session, "u1"), PAYLOAD).duplicate
+    assert srv.call(lambda: core.store_error) is None
 
 
 @pytest.mark.integration

@@ -37,13 +37,17 @@ def model() -> torch.nn.Module:
     return torch.nn.Linear(4, 1)
 
 
+def sync_server(serve, **cfg):  # noqa: ANN001, ANN003, ANN201 - (core, running server)
+    """A sync aggregator for ``model()`` on loopback, in-process decoding."""
+    spec = ModelSpec.from_module(model())
+    core = AggregatorCore(ServerConfig(mode="sync", workers=0, round_deadline_s=60, **cfg),
+                          spec, np.zeros(spec.size, np.float32))
+    return core, serve(core)
+
+
 @pytest.mark.integration
 def test_eight_of_ten_clients_die_and_the_rounds_go_on_with_the_survivors(serve) -> None:
-    spec = ModelSpec.from_module(model())
-    core = AggregatorCore(ServerConfig(mode="sync", min_clients=2, max_versions=100,
-                                       round_deadline_s=60, workers=0),
-                          spec, np.zeros(spec.size, np.float32))
-    srv = serve(core)
+    core, srv = sync_server(serve, min_clients=2, max_versions=100)
     dead, teardown = threading.Event(), threading.Event()
 
     def trainer(victim: bool) -> FunctionTrainer:
@@ -92,11 +96,7 @@ def test_eight_of_ten_clients_die_and_the_rounds_go_on_with_the_survivors(serve)
 
 @pytest.mark.integration
 def test_a_client_for_another_model_leaves_and_the_round_does_not_wait(serve) -> None:
-    spec = ModelSpec.from_module(model())
-    core = AggregatorCore(ServerConfig(mode="sync", min_clients=1, max_versions=1,
-                                       round_deadline_s=60, workers=0),
-                          spec, np.zeros(spec.size, np.float32))
-    srv = serve(core)
+    core, srv = sync_server(serve, min_clients=1, max_versions=1)
     other = FunctionTrainer(torch.nn.Linear(5, 1), lambda m, s, seed: {"num_examples": 4})
     stranger = ClientRuntime(GrpcTransport(srv.address, timeout_s=10), other)
     with pytest.raises(ValueError, match="the server trains model spec"):
@@ -116,11 +116,7 @@ def test_a_client_for_another_model_leaves_and_the_round_does_not_wait(serve) ->
 def test_a_client_whose_connection_drops_mid_wait_leaves_within_the_grace(serve) -> None:
     """A process that exits (or a connection that breaks) while its GetTask waits: gRPC cancels
     the handler, and unless the client calls again within LOST_GRACE_S its session ends."""
-    spec = ModelSpec.from_module(model())
-    core = AggregatorCore(ServerConfig(mode="sync", min_clients=3, workers=0,
-                                       require_identity=False), spec,
-                          np.zeros(spec.size, np.float32))
-    srv = serve(core)
+    core, srv = sync_server(serve, min_clients=3, require_identity=False)
     gone, stays = GrpcTransport(srv.address), GrpcTransport(srv.address)
     try:
         a = gone.join("a", DeviceProfile())[0].session
