@@ -97,7 +97,11 @@ class Target:
 def target() -> Iterator[Target]:
     t = Target()
     yield t
-    # The server survived: an honest client still takes its turn.
+    # The server survived: an honest client still takes its turn. It joins again first: a
+    # fuzzed push under its session with another model's spec ended that session (a refusal
+    # no retry can fix closes the session, so sync rounds do not wait for it).
+    reply = t.raw("Join", pb.JoinRequest(client_id="honest").SerializeToString())
+    t.session = pb.JoinReply.FromString(reply).session
     payload = np.ones(SIZE, "<f4").tobytes()
     header = pb.UpdateHeader(session=t.session, update_id=uuid.uuid4().hex, num_examples=1,
                              codec="dense-f32", payload_bytes=len(payload),
