@@ -47,18 +47,35 @@ Sizes: 1M, 10M and 100M (``--quick`` on a CPU: 1M and 10M; ``--smoke``: 10k and 
 ``--sizes`` overrides, e.g. ``--sizes 1M,30M``). Torch's default intra-op threads are used
 (the trainer's and the codec's CPU step kernels run on one thread by design).
 
+**First-order TorchTrainer** (table 3), examples/s on the same device: ``murmura`` is
+``TorchTrainer(model, data, amp=...).train`` on an ``ArrayDataset`` of random examples, whole
+tasks timed (``local_epochs`` epochs of whole batches; the parameters copied in and out, the
+data's placement made at the warm-up call); ``hand`` is the plain PyTorch loop a user would
+write with the data already on the device (per epoch a permutation drawn there and one
+gather, ``opt.zero_grad``, forward, backward, ``torch.optim.SGD`` with the trainer's lr and
+momentum, losses summed on the device and read once per call). Two models: the digits task's
+64-64-10 MLP at batch 16 (1,024 examples) and a 64-2048-2048-10 MLP at batch 256 (4.35 M
+parameters; 4,096 examples on CUDA, 2,048 under ``--quick`` on a CPU, where a step takes about
+0.1 s). fp32 on every device; on CUDA also bf16 autocast (both loops), and the trainer with
+``cuda_graph=True`` as a third column. On a CPU the digits model runs on one torch thread, as
+murmura's clients run it. Targets: ``fo_vs_hand_<device>_<model>`` >= 0.9 (fp32); on CUDA
+``fo_bf16_vs_fp32_cuda_wide`` >= 1.3 (the default, eager trainer) and the same ratio with
+``cuda_graph=True`` (``..._graph``).
+
 Imports. Only torch, numpy (and triton on CUDA) and this repository are needed: no gRPC, no
 Flower. ``murmura.client``'s ``__init__`` loads the client runtime and its gRPC transport, so
 ``murmura.client`` is registered here as a bare package (its folder, its ``__init__`` not run)
 before ``murmura.client.zo`` is imported; the trainer measured is the library's own. Where the
 checkout is not pip-installed, setup.py's folder mapping is applied to the import system.
 
-Run: ``python benchmarks/zo_speed.py [--quick | --smoke] [--device {auto,cpu,cuda}]``.
+Run: ``python benchmarks/zo_speed.py [--quick | --smoke] [--device {auto,cpu,cuda}]``;
+``--part fo`` (or ``zo``) with ``--no-save`` measures one part only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -278,6 +295,137 @@ def copy_time(theta: torch.Tensor, repeats: int, sync: Callable[[], None], inner
     return best_time(lambda: dst.copy_(src), repeats, sync, inner=inner)
 
 
+# -- first-order TorchTrainer ------------------------------------------------------------------
+
+#: model -> (layer widths, batch): the digits task's MLP and a wide one whose step is arithmetic
+FO_MODELS = {"digits": ((64, 64, 10), 16), "wide": ((64, 2048, 2048, 10), 256)}
+FO_LR, FO_MOMENTUM = 0.01, 0.9
+TARGET_FO_VS_HAND = 0.9
+TARGET_FO_BF16 = 1.3
+
+
+def fo_model(widths: Sequence[int]) -> nn.Module:
+    """Linear layers of these widths with ReLU between them (seeded)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for a, b in zip(widths[:-1], widths[1:], strict=True):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def fo_sizes(model: str, device: str, quick: bool, smoke: bool) -> tuple[tuple[int, ...], int,
+                                                                        int, int]:
+    """(widths, batch, examples, epochs per task) for one first-order case: whole batches
+    only, and enough steps per task that its per-task work (parameters in and out) is spread
+    thin; on a CPU the wide model is kept to a few steps (a 2-core CPU takes about 0.1 s per
+    step)."""
+    widths, batch = FO_MODELS[model]
+    if smoke:
+        return ((64, 128, 128, 10) if model == "wide" else widths), batch, 4 * batch, 1
+    if device == "cuda":
+        return widths, batch, 64 * batch if model == "digits" else 16 * batch, \
+            4 if model == "digits" else 8
+    if model == "digits":
+        return widths, batch, 64 * batch, 2 if quick else 4
+    return widths, batch, (8 if quick else 16) * batch, 1
+
+
+def hand_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, settings: TaskSettings,
+              amp: torch.dtype | None, gen: torch.Generator) -> float:
+    """The plain PyTorch loop a user would write with the data already on the device: per
+    epoch a permutation drawn there and one gather, batches sliced from it, SGD with momentum
+    as TorchTrainer configures it from ``settings``, losses summed on the device and read
+    once."""
+    opt = torch.optim.SGD(model.parameters(), lr=settings.lr, momentum=settings.momentum)
+    total = torch.zeros((), device=x.device)
+    n, b = len(x), settings.batch_size
+    model.train()
+    for _ in range(settings.local_epochs):
+        perm = torch.randperm(n, device=x.device, generator=gen)
+        xs, ys = x[perm], y[perm]
+        for s in range(0, n, b):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(x.device.type, dtype=amp or torch.float32,
+                                enabled=amp is not None):
+                loss = nn.functional.cross_entropy(model(xs[s : s + b]), ys[s : s + b])
+            loss.backward()
+            opt.step()
+            total += loss.detach()
+    return float(total)
+
+
+def measure_first_order(model_name: str, device: torch.device, *, quick: bool, smoke: bool,
+                        repeats: int) -> list[dict[str, Any]]:
+    """Examples/s of ``TorchTrainer.train`` against :func:`hand_loop` for one model, in fp32
+    (and on CUDA in bf16), with and (on CUDA) without a CUDA graph. One row per precision."""
+    from murmura.client.trainer import TorchTrainer
+    from murmura.tasks import ArrayDataset
+
+    cuda = device.type == "cuda"
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+    widths, batch, n, epochs = fo_sizes(model_name, device.type, quick, smoke)
+    settings = TaskSettings(local_epochs=epochs, batch_size=batch, lr=FO_LR,
+                            momentum=FO_MOMENTUM)
+    steps = epochs * (n // batch)
+    rng = np.random.default_rng(3)
+    data = ArrayDataset(rng.normal(size=(n, widths[0])).astype(np.float32),
+                        rng.integers(0, widths[-1], n).astype(np.int64))
+    x = torch.from_numpy(data.x).to(device)
+    y = torch.from_numpy(data.y).to(device)
+    params = sum(p.numel() for p in fo_model(widths).parameters())
+    progress(f"first-order {model_name}: {'-'.join(map(str, widths))} MLP, {params:,} "
+             f"parameters, batch {batch}, {n} examples x {epochs} epochs = {steps} steps per "
+             f"task on {device}")
+    def one_precision(amp_name: str, amp: torch.dtype | None) -> dict[str, Any]:
+        amp_mode = "off" if amp is None else "bf16"
+        trainers = {"murmura": TorchTrainer(fo_model(widths), data, device=str(device),
+                                            amp=amp_mode)}
+        if cuda:
+            trainers["graph"] = TorchTrainer(fo_model(widths), data, device=str(device),
+                                             amp=amp_mode, cuda_graph=True)
+        start = trainers["murmura"].spec.flatten(trainers["murmura"].model)
+        hand_model = fo_model(widths).to(device)
+        gen = torch.Generator(device=device).manual_seed(0)
+        task_seed = iter(range(10**6))
+        cases: dict[str, Callable[[], Any]] = {
+            name: _synced(lambda t=t: t.train(start, settings, seed=next(task_seed)), sync)
+            for name, t in trainers.items()}
+        cases["hand"] = _synced(lambda: hand_loop(hand_model, x, y, settings, amp, gen), sync)
+        for fn in cases.values():  # warm-up: allocations, cuBLAS, the data's placement
+            fn()
+
+        def check(name: str, out: Any) -> None:
+            if name == "hand":
+                assert math.isfinite(out), out
+            else:
+                assert out.metrics["steps"] == steps and math.isfinite(
+                    out.metrics["train_loss"]), out.metrics
+
+        times = interleaved(cases, repeats=repeats, check=check,
+                            label=f"first-order {model_name} {amp_name}")
+        rate = {name: steps * batch / min(t) for name, t in times.items()}
+        placement = trainers["murmura"].placement
+        assert placement in ("host", "device"), placement
+        progress(f"first-order {model_name} {amp_name}: murmura {rate['murmura']:,.0f}, hand "
+                 f"{rate['hand']:,.0f}"
+                 + (f", graph {rate['graph']:,.0f}" if "graph" in rate else "") + " examples/s")
+        return {"model": model_name, "widths": "-".join(map(str, widths)), "params": params,
+                "batch": batch, "amp": amp_name, "steps": steps, "placement": placement,
+                "murmura": rate["murmura"], "hand": rate["hand"], "graph": rate.get("graph"),
+                "murmura_vs_hand": rate["murmura"] / rate["hand"],
+                "graph_vs_hand": rate["graph"] / rate["hand"] if "graph" in rate else None}
+
+    precisions: list[tuple[str, torch.dtype | None]] = [("fp32", None)]
+    if cuda:
+        precisions.append(("bf16", torch.bfloat16))
+    # the small model on a CPU: one torch thread, as murmura's clients and the simulation run
+    # it (two threads' OpenMP barriers cost more than its kernels, badly so on a busy machine)
+    threads = one_torch_thread() if not cuda and model_name == "digits" \
+        else contextlib.nullcontext()
+    with threads:
+        return [one_precision(name, amp) for name, amp in precisions]
+
+
 # -- one size --------------------------------------------------------------------------------
 
 
@@ -403,6 +551,10 @@ def _extra_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=None, metavar="LIST",
                         help="comma-separated model sizes, e.g. 1M,10M,100M (default: 1M, 10M, "
                              "100M; --quick on a CPU 1M, 10M; --smoke 10k, 100k)")
+    parser.add_argument("--part", choices=("all", "zo", "fo"), default="all",
+                        help="measure only the zeroth-order tables (zo) or only the first-order "
+                             "TorchTrainer table (fo); a partial run needs --no-save or "
+                             "--smoke, so it never replaces the saved report")
 
 
 def _versions() -> dict[str, Any]:
@@ -417,6 +569,9 @@ def _versions() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(NAME, __doc__.splitlines()[0], argv, extra=_extra_args)
+    if args.part != "all" and not (args.no_save or args.smoke):
+        raise SystemExit("--part zo/fo measures part of the report: add --no-save")
+    run_zo, run_fo = args.part in ("all", "zo"), args.part in ("all", "fo")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device here")
     kind = "cuda" if args.device == "cuda" or (args.device == "auto"
@@ -444,14 +599,16 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(device), "device_name": device_name or report.machine["cpu_model"],
         **_versions(), "torch_threads": torch.get_num_threads(), "sizes": sizes,
         "batch": BATCH, "eps": EPS, "lr": LR, "repeats": repeats, "replay_steps": replay_steps,
+        "part": args.part, "fo_lr": FO_LR, "fo_momentum": FO_MOMENTUM,
     })
     if kind == "cpu":
         report.params["gpu_rows"] = "not run (no CUDA device here)"
     progress(f"device {device} ({report.params['device_name']}), sizes {', '.join(sizes)}, "
              f"best of {repeats}")
 
-    step_rows, replay_rows = [], []
-    for label in sizes:
+    step_rows: list[dict[str, Any]] = []
+    replay_rows: list[dict[str, Any]] = []
+    for label in sizes if run_zo else []:
         t0 = time.perf_counter()
         step_row, replay_row = measure_size(label, device, quick=args.quick, smoke=args.smoke,
                                             repeats=repeats, replay_steps=replay_steps)
@@ -460,6 +617,14 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "cuda":
             torch.cuda.empty_cache()
         progress(f"{label} done in {time.perf_counter() - t0:.1f} s")
+    fo_rows: list[dict[str, Any]] = []
+    for model_name in FO_MODELS if run_fo else []:
+        t0 = time.perf_counter()
+        fo_rows += measure_first_order(model_name, device, quick=args.quick, smoke=args.smoke,
+                                       repeats=repeats)
+        if kind == "cuda":
+            torch.cuda.empty_cache()
+        progress(f"first-order {model_name} done in {time.perf_counter() - t0:.1f} s")
 
     where = f"{device_name} (CUDA)" if device_name else \
         f"CPU, {report.machine['cpus_usable']} cores"
@@ -479,6 +644,15 @@ def main(argv: list[str] | None = None) -> int:
         report.note(f"{'Smoke' if args.smoke else 'Quick'} run: sizes {', '.join(sizes)}; the "
                     f"replay log has {replay_steps} steps instead of {REPLAY_STEPS}.")
 
+    if run_zo:
+        _zo_tables(report, kind, step_rows, replay_rows, replay_steps)
+    if run_fo:
+        _fo_table(report, kind, fo_rows)
+    return report.finish(save=not args.no_save)
+
+
+def _zo_tables(report: Report, kind: str, step_rows: list[dict[str, Any]],
+               replay_rows: list[dict[str, Any]], replay_steps: int) -> None:
     ms = "{:,.2f}".format
     ratio = "{:.2f}".format
     report.table(f"Zeroth-order step time on {kind}", [
@@ -518,7 +692,43 @@ def main(argv: list[str] | None = None) -> int:
         report.note("On CUDA `draw` launches the fused kernel once per stream on a scratch "
                     "vector, so it also reads and writes that vector once per stream; the "
                     "replay reads and writes theta once for the whole log.", after_tables=True)
-    return report.finish(save=not args.no_save)
+
+
+def _fo_table(report: Report, kind: str, rows: list[dict[str, Any]]) -> None:
+    rate = "{:,.0f}".format
+    ratio = "{:.2f}".format
+    report.table(f"First-order TorchTrainer on {kind}: examples/s", [
+        Column("model", "model"), Column("widths", "MLP"), Column("params", "parameters", "{:,}"),
+        Column("batch", "batch"), Column("amp", "precision"), Column("steps", "steps/task"),
+        Column("placement", "data"), Column("murmura", "murmura", rate),
+        Column("hand", "hand loop", rate), Column("murmura_vs_hand", "murmura/hand", ratio),
+        Column("graph", "murmura, CUDA graph", rate),
+        Column("graph_vs_hand", "graph/hand", ratio)], rows)
+    by = {(r["model"], r["amp"]): r for r in rows}
+    for model_name in FO_MODELS:
+        r = by.get((model_name, "fp32"))
+        if r is not None:
+            report.target(f"fo_vs_hand_{kind}_{model_name}", r["murmura_vs_hand"], ">=",
+                          TARGET_FO_VS_HAND, unit="x", detail="fp32, examples/s")
+    if kind == "cuda":
+        fp32, bf16 = by.get(("wide", "fp32")), by.get(("wide", "bf16"))
+        both = fp32 is not None and bf16 is not None
+        report.target("fo_bf16_vs_fp32_cuda_wide",
+                      bf16["murmura"] / fp32["murmura"] if both else math.nan, ">=",
+                      TARGET_FO_BF16, unit="x", detail="eager, the default")
+        report.target("fo_bf16_vs_fp32_cuda_wide_graph",
+                      bf16["graph"] / fp32["graph"] if both else math.nan, ">=",
+                      TARGET_FO_BF16, unit="x", detail="cuda_graph=True")
+    report.note(
+        "First-order table: `murmura` is `TorchTrainer(model, data, amp=...).train` on an "
+        "`ArrayDataset` of random examples (whole batches only; `data` says where the trainer "
+        "put it), whole tasks of `local_epochs` epochs timed, parameters copied in and out "
+        "included; `hand loop` is plain PyTorch with the data already on the device (a "
+        "permutation and one gather per epoch, `opt.zero_grad`, forward, backward, "
+        "`torch.optim.SGD` with the same lr and momentum, losses summed on the device and "
+        f"read once); lr {FO_LR:g}, momentum {FO_MOMENTUM:g}. On CUDA `murmura, CUDA graph` "
+        "is the same trainer with `cuda_graph=True`, and bf16 rows use autocast in both.",
+        after_tables=True)
 
 
 if __name__ == "__main__":

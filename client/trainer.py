@@ -9,6 +9,8 @@ Two ways in, for two kinds of users:
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from murmura.edge import amp_dtype, resolve_device
+from murmura.edge import amp_dtype, free_memory, resolve_device
 from murmura.protocols import FlatVector, ModelSpec, TaskSettings
 from murmura.tasks import ArrayDataset
 
@@ -95,15 +97,136 @@ def count_examples(data: Any, override: int | None = None) -> int:
         raise ValueError("pass num_examples= for data whose size is unknown") from None
 
 
+#: Share of the device's free memory a client's array data may take there: twice its size (the
+#: arrays and the epoch's shuffled copy) must fit in it. The rest is left to the model, its
+#: optimizer state and activations, and to the other clients sharing the device (``murmura
+#: launch`` starts several per GPU; each sizes its data against what is free when it starts).
+RESIDENT_FRACTION = 0.25
+#: Eager steps a task takes before its step is captured in a CUDA graph (the first one creates
+#: the momentum buffers the graph then updates in place).
+GRAPH_WARMUP = 2
+#: Fewest replays of the captured step that make a capture (about one eager step's launches,
+#: plus instantiation) worth it; tasks with fewer full batches run eagerly.
+GRAPH_MIN_REPLAYS = 16
+
+
+def data_placement(data_bytes: int, device_type: str, free_bytes: int, *,
+                   fraction: float = RESIDENT_FRACTION) -> str:
+    """Where a client's array data lives while it trains on a ``device_type`` device.
+
+    ``"host"`` on the CPU: the arrays are used where they are. ``"device"`` when twice
+    ``data_bytes`` (the arrays and one shuffled copy per epoch) fits in ``fraction`` of the
+    ``free_bytes`` the device has: copied there once, shuffled and sliced there. Otherwise
+    each batch is gathered on the host and copied over: into page-locked memory with a
+    non-blocking copy on CUDA (``"pinned"``), a plain copy elsewhere (``"pageable"``).
+    """
+    if data_bytes < 0 or free_bytes < 0 or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"need data_bytes >= 0, free_bytes >= 0 and 0 <= fraction <= 1, got "
+                         f"{data_bytes}, {free_bytes}, {fraction}")
+    if device_type == "cpu":
+        return "host"
+    if 2 * data_bytes <= fraction * free_bytes:
+        return "device"
+    return "pinned" if device_type == "cuda" else "pageable"
+
+
+def full_batches(n: int, settings: TaskSettings) -> int:
+    """How many of a task's steps on ``n`` array examples see a whole ``batch_size`` batch
+    (the rest are the short last batches of epochs)."""
+    b = settings.batch_size
+    per_epoch, full = -(-n // b), n // b
+    if per_epoch == 0:
+        return 0
+    total = settings.local_steps or settings.local_epochs * per_epoch
+    return (total // per_epoch) * full + min(total % per_epoch, full)
+
+
+def _torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+@dataclass
+class _PlacedData:
+    """An :class:`ArrayDataset` as one trainer holds it on its device (see
+    :func:`data_placement`); ``x``/``y`` are device copies under ``"device"``, else None."""
+
+    source: ArrayDataset
+    x_array: np.ndarray[Any, Any]
+    y_array: np.ndarray[Any, Any]
+    mode: str
+    x: torch.Tensor | None = None
+    y: torch.Tensor | None = None
+
+    def holds(self, source: ArrayDataset) -> bool:
+        return (self.source is source and self.x_array is source.x
+                and self.y_array is source.y)
+
+
+class _LossLog:
+    """Per-step losses kept on the device (one copy per step, no host synchronisation) and
+    read back once, at the end of the task."""
+
+    CHUNK = 1024
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.chunks: list[torch.Tensor] = []
+        self.used = self.CHUNK
+
+    def add(self, loss: torch.Tensor) -> None:
+        if self.used == self.CHUNK:
+            self.chunks.append(torch.empty(self.CHUNK, dtype=torch.float32, device=self.device))
+            self.used = 0
+        self.chunks[-1][self.used].copy_(loss)
+        self.used += 1
+
+    def tensor(self) -> torch.Tensor:
+        """All losses so far, in step order (float32, on the device)."""
+        if not self.chunks:
+            return torch.empty(0, dtype=torch.float32, device=self.device)
+        last = self.chunks[-1][: self.used]
+        return torch.cat([*self.chunks[:-1], last]) if len(self.chunks) > 1 else last
+
+
 class TorchTrainer(Trainer):
     """Plain first-order local SGD on a torch module.
 
     ``data`` is an :class:`ArrayDataset` (batched here, shuffled from the task seed), a
     ``DataLoader``/iterable of ``(x, y)`` batches, or a zero-argument function returning one.
 
-    ``amp`` picks mixed precision (:func:`murmura.edge.amp_dtype`): ``auto`` is bf16/fp16
-    autocast on CUDA, where it is faster and stays within test tolerance of fp32, and fp32 on
-    the CPU, so CPU runs stay bit-identical to the simulator's; fp16 uses a gradient scaler.
+    **Data on the device.** On an accelerator an :class:`ArrayDataset` is copied to the device
+    once (at the first task, again only when ``data`` is replaced) when it fits in
+    ``resident_fraction`` of the free device memory (:func:`data_placement`): each epoch
+    then shuffles it there with one gather and slices batches from it. Larger data is gathered
+    batch by batch into page-locked host memory and copied without blocking. The permutation
+    is always drawn on the CPU from the task seed, so the batches are the ones a CPU run takes.
+    Replace the data set (as the client app does) rather than editing its arrays in place:
+    the device copy is kept while ``data`` is the same object. Other data is moved batch by
+    batch (non-blocking on CUDA; a ``DataLoader`` with ``pin_memory=True`` makes it async).
+
+    **No host synchronisation per step.** Each step's loss is copied into a buffer on the
+    device; the losses are read once, at the end of the task, with the new parameters (one
+    transfer each, one synchronisation). ``train_loss`` is the same float64 sum of
+    loss x batch size, in step order, as it always was.
+
+    **Mixed precision.** ``amp`` picks it (:func:`murmura.edge.amp_dtype`): ``auto`` is
+    bf16/fp16 autocast on CUDA and fp32 on the CPU, so CPU runs stay bit-identical to the
+    simulator's; fp16 uses a gradient scaler, which reads its overflow flag every step (a host
+    synchronisation: prefer bf16). bf16 only pays where arithmetic dominates a step: large
+    layers and batches. A small model (the digits MLP, a few thousand parameters, batch 16)
+    is bound by kernel launches, not arithmetic, and autocast adds cast kernels to every
+    step, so it is slower than fp32 there; pass ``amp="off"`` for such models. On a host
+    whose launches are slow even a 4M-parameter MLP at batch 256 is launch-bound in eager
+    mode, and bf16 pays only with ``cuda_graph=True``.
+
+    **CUDA graphs** (``cuda_graph=True``, CUDA only, fp32 or bf16, array data): after
+    ``GRAPH_WARMUP`` eager steps the whole step (forward, backward, optimizer) is captured
+    once per task and replayed for every whole batch; one launch per step instead of dozens.
+    Used when a task has at least ``GRAPH_WARMUP + GRAPH_MIN_REPLAYS`` whole batches. The
+    model's step must be capturable: static shapes, no host synchronisation (``.item()``,
+    data-dependent Python control flow), no CPU tensors; capture fails loudly otherwise.
+    Results equal the eager step's up to the kernels' own nondeterminism.
+
     ``micro_batch`` splits each batch into passes of that many rows with gradient accumulation
     (see :func:`murmura.edge.probe_micro_batch` for the largest that fits a memory cap).
     """
@@ -111,11 +234,15 @@ class TorchTrainer(Trainer):
     def __init__(self, model: nn.Module, data: ArrayDataset | Iterable[Any] | Callable[[], Any],
                  *, loss_fn: LossFn = nn.functional.cross_entropy, device: str = "auto",
                  num_examples: int | None = None, weight_decay: float = 0.0,
-                 amp: str = "auto", micro_batch: int = 0) -> None:
+                 amp: str = "auto", micro_batch: int = 0,
+                 resident_fraction: float = RESIDENT_FRACTION,
+                 cuda_graph: bool = False) -> None:
         self.device = resolve_device(device)
         self.amp_dtype = amp_dtype(self.device, amp)
         if micro_batch < 0:
             raise ValueError(f"micro_batch must be >= 0 (0: whole batches), got {micro_batch}")
+        if not 0.0 <= resident_fraction <= 1.0:
+            raise ValueError(f"resident_fraction must lie in [0, 1], got {resident_fraction}")
         #: Rows per forward/backward pass; batches above it accumulate gradients (memory).
         self.micro_batch = micro_batch
         self.model = model.to(self.device)
@@ -124,15 +251,125 @@ class TorchTrainer(Trainer):
         self.loss_fn = loss_fn
         self.weight_decay = weight_decay
         self._num_examples = num_examples
+        #: Share of free device memory array data may take to be kept on the device.
+        self.resident_fraction = resident_fraction
+        #: Capture each task's step in a CUDA graph (see the class docstring).
+        self.cuda_graph = cuda_graph
+        self._placed: _PlacedData | None = None
+        self._graph_stream: torch.cuda.Stream | None = None
 
     def num_examples(self) -> int:
         return count_examples(self.data, self._num_examples)
 
+    @property
+    def placement(self) -> str | None:
+        """Where the array data was put at the last task (:func:`data_placement`), or None
+        before the first task on an accelerator and for other data."""
+        return "host" if self.device.type == "cpu" and isinstance(self.data, ArrayDataset) \
+            else (self._placed.mode if self._placed is not None else None)
+
+    # -- data ----------------------------------------------------------------------------
+
+    def _place(self, source: ArrayDataset) -> _PlacedData:
+        """``source`` on this trainer's accelerator, placed once per data set."""
+        if self._placed is not None and self._placed.holds(source):
+            return self._placed
+        self._placed = None  # let a replaced data set's device copy go before sizing
+        nbytes = int(source.x.nbytes) + int(source.y.nbytes)
+        free = free_memory(self.device)
+        if self.device.type == "cuda":  # plus what torch's allocator holds unused (reusable)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
+                self.device)
+        mode = data_placement(nbytes, self.device.type, free, fraction=self.resident_fraction)
+        placed = _PlacedData(source, source.x, source.y, mode)
+        if mode == "device":
+            with warnings.catch_warnings():  # read-only arrays: only ever read here
+                warnings.simplefilter("ignore", UserWarning)
+                placed.x = torch.from_numpy(np.ascontiguousarray(source.x)).to(self.device)
+                placed.y = torch.from_numpy(np.ascontiguousarray(source.y)).to(self.device)
+        self._placed = placed
+        return placed
+
+    def _array_batches(self, source: ArrayDataset, batch_size: int,
+                       gen: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One epoch of ``source`` on the accelerator, in :func:`iter_batches`' order."""
+        placed = self._place(source)
+        n = len(source)
+        perm = torch.randperm(n, generator=gen)  # on the CPU, as iter_batches draws it
+        cuda = self.device.type == "cuda"
+        if placed.mode == "device":
+            assert placed.x is not None and placed.y is not None
+            index = perm.pin_memory().to(self.device, non_blocking=True) if cuda \
+                else perm.to(self.device)
+            xs, ys = placed.x.index_select(0, index), placed.y.index_select(0, index)
+            for s in range(0, n, batch_size):
+                yield xs[s : s + batch_size], ys[s : s + batch_size]
+            return
+        x_type, y_type = _torch_dtype(source.x.dtype), _torch_dtype(source.y.dtype)
+        order = perm.numpy()
+        for s in range(0, n, batch_size):
+            rows = order[s : s + batch_size]
+            xb = torch.empty((len(rows), *source.x.shape[1:]), dtype=x_type, pin_memory=cuda)
+            yb = torch.empty((len(rows), *source.y.shape[1:]), dtype=y_type, pin_memory=cuda)
+            np.take(source.x, rows, axis=0, out=xb.numpy())
+            np.take(source.y, rows, axis=0, out=yb.numpy())
+            # pinned blocks come from the caching host allocator, which keeps each one until
+            # its copy has run: the next batch never overwrites one still in flight
+            yield xb.to(self.device, non_blocking=cuda), yb.to(self.device, non_blocking=cuda)
+
+    def _batches(self, batch_size: int, gen: torch.Generator) -> Iterator[Any]:
+        """One epoch of ``(x, y)`` batches on the device, in :func:`iter_batches`' order."""
+        if self.device.type == "cpu":
+            for x, y in iter_batches(self.data, batch_size, gen):
+                yield x.to(self.device), y.to(self.device)
+            return
+        data = self.data
+        source: Any = data() if callable(data) and not isinstance(data, ArrayDataset) else data
+        if isinstance(source, ArrayDataset):
+            yield from self._array_batches(source, batch_size, gen)
+            return
+        cuda = self.device.type == "cuda"
+        for x, y in source:
+            yield x.to(self.device, non_blocking=cuda), y.to(self.device, non_blocking=cuda)
+
+    # -- parameters in and out -----------------------------------------------------------
+
+    def _load(self, params: FlatVector) -> None:
+        """``params`` into the model: on an accelerator with one host-to-device copy."""
+        if self.device.type == "cpu":
+            self.spec.load_into(self.model, params)
+            return
+        self.spec.check_vector(params)
+        flat = torch.from_numpy(np.ascontiguousarray(params, dtype=np.float32)).to(self.device)
+        state = _float_tensors(self.model)
+        with torch.no_grad():
+            for t, off in zip(self.spec.tensors, self.spec.offsets(), strict=True):
+                state[t.name].copy_(flat[off : off + t.numel].view(t.shape))
+
+    def _read_back(self, log: _LossLog) -> tuple[FlatVector, list[float]]:
+        """The model's flat vector and every step's loss, read with one synchronisation."""
+        if self.device.type == "cpu":
+            return self.spec.flatten(self.model), log.tensor().tolist()
+        state = _float_tensors(self.model)
+        parts = []
+        for t in self.spec.tensors:
+            value = state.get(t.name)
+            if value is None or tuple(value.shape) != t.shape:
+                raise ValueError(f"module does not match spec at tensor {t.name!r}")
+            parts.append(value.detach().reshape(-1).to(torch.float32))
+        cuda = self.device.type == "cuda"
+        losses = log.tensor().to("cpu", non_blocking=cuda)
+        flat = torch.cat(parts).cpu()  # waits for the stream, the losses' copy included
+        return flat.numpy(), losses.tolist()
+
+    # -- one step ------------------------------------------------------------------------
+
     def _backward(self, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None,
-                  scaler: torch.amp.GradScaler) -> torch.Tensor:
+                  scaler: torch.amp.GradScaler, cache: bool = True) -> torch.Tensor:
         """Gradients of the batch's mean loss, in micro-batches of ``micro_batch`` rows when
         set (each micro-batch's loss weighted by its share of the batch: the same gradient
-        for a mean-reduced loss and a model without batch statistics); returns the loss."""
+        for a mean-reduced loss and a model without batch statistics); returns the loss.
+        ``cache=False`` turns autocast's weight cache off (required inside a CUDA graph)."""
         mb = self.micro_batch if self.micro_batch and len(y) > self.micro_batch else len(y)
         if mb == len(y) and amp is None:
             # One full-precision pass (the common CPU case): the same arithmetic as the loop
@@ -143,46 +380,152 @@ class TorchTrainer(Trainer):
         total = torch.zeros((), device=x.device)
         for xc, yc in zip(x.split(mb), y.split(mb), strict=True):
             with torch.autocast(self.device.type, dtype=amp or torch.float32,
-                                enabled=amp is not None):
+                                enabled=amp is not None, cache_enabled=cache):
                 loss = self.loss_fn(self.model(xc), yc)
             part = loss * (len(yc) / len(y)) if mb < len(y) else loss
             (scaler.scale(part) if amp is not None else part).backward()
             total += part.detach().float()
         return total
 
+    def _step(self, x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer,
+              weights: list[torch.Tensor], amp: torch.dtype | None,
+              scaler: torch.amp.GradScaler, cache: bool = True) -> torch.Tensor:
+        """One SGD step on ``(x, y)``; returns the loss (a device tensor, not read)."""
+        for p in weights:  # opt.zero_grad(set_to_none=True), minus its profiler hooks
+            p.grad = None
+        loss = self._backward(x, y, amp, scaler, cache)
+        if amp is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        return loss
+
+    def _uses_graph(self, settings: TaskSettings) -> bool:
+        """Whether this task's step is captured in a CUDA graph (see the class docstring)."""
+        return (self.cuda_graph and self.device.type == "cuda"
+                and self.amp_dtype is not torch.float16 and isinstance(self.data, ArrayDataset)
+                and full_batches(len(self.data), settings) >= GRAPH_WARMUP + GRAPH_MIN_REPLAYS)
+
     def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
         gen = _seed_everything(seed)
-        self.spec.load_into(self.model, params)
+        self._load(params)
         self.model.train()
         weights = list(self.model.parameters())
         opt = torch.optim.SGD(weights, lr=settings.lr,
                               momentum=settings.momentum, weight_decay=self.weight_decay)
-        steps, loss_sum, seen = 0, 0.0, 0
-        epochs = settings.local_epochs if settings.local_steps == 0 else 10**9
         amp = self.amp_dtype
         scaler = torch.amp.GradScaler(self.device.type, enabled=amp is torch.float16)
+        graph: _GraphedStep | None = None
+        if self._uses_graph(settings):
+            if self._graph_stream is None:
+                self._graph_stream = torch.cuda.Stream(self.device)
+            graph = _GraphedStep(self, opt, weights, amp, scaler, self._graph_stream)
+        log = _LossLog(self.device)
+        sizes: list[int] = []
+        epochs = settings.local_epochs if settings.local_steps == 0 else 10**9
         for _ in range(epochs):
-            for x, y in iter_batches(self.data, settings.batch_size, gen):
-                x, y = x.to(self.device), y.to(self.device)
-                for p in weights:  # opt.zero_grad(set_to_none=True), minus its profiler hooks
-                    p.grad = None
-                loss = self._backward(x, y, amp, scaler)
-                if amp is None:
-                    opt.step()
+            for x, y in self._batches(settings.batch_size, gen):
+                if graph is not None and len(y) == settings.batch_size:
+                    loss = graph(x, y)
                 else:
-                    scaler.step(opt)
-                    scaler.update()
-                steps += 1
-                loss_sum += float(loss.detach()) * len(y)
-                seen += len(y)
-                if settings.local_steps and steps >= settings.local_steps:
+                    loss = self._step(x, y, opt, weights, amp, scaler)
+                log.add(loss)
+                sizes.append(len(y))
+                if settings.local_steps and len(sizes) >= settings.local_steps:
                     break
-            if settings.local_steps and steps >= settings.local_steps:
+            if settings.local_steps and len(sizes) >= settings.local_steps:
                 break
-        if steps == 0:
+        if not sizes:
             raise ValueError("the local data yielded no batch")
-        return TrainResult(self.spec.flatten(self.model), self.num_examples(),
-                           {"train_loss": loss_sum / max(seen, 1), "steps": float(steps)})
+        flat, losses = self._read_back(log)
+        if graph is not None:  # the captured gradients belong to the graph's memory pool
+            for p in weights:
+                p.grad = None
+        loss_sum = 0.0
+        for value, size in zip(losses, sizes, strict=True):  # the float64 sum, in step order
+            loss_sum += value * size
+        return TrainResult(flat, self.num_examples(),
+                           {"train_loss": loss_sum / max(sum(sizes), 1),
+                            "steps": float(len(sizes))})
+
+
+def _float_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's floating state by name, as :class:`ModelSpec` covers it."""
+    return {name: value.data if isinstance(value, nn.Parameter) else value
+            for name, value in module.state_dict(keep_vars=True).items()
+            if torch.is_floating_point(value)}
+
+
+class _GraphedStep:
+    """A task's training step captured in a CUDA graph after ``GRAPH_WARMUP`` eager steps,
+    then replayed on static copies of each whole batch.
+
+    The eager warm-up steps and the capture run on a side stream (as torch's whole-network
+    capture recipe does). The captured step updates the model's parameters and the
+    optimizer's momentum buffers in place, so eager steps (a short last batch) and replays mix
+    freely within the task. The step is captured without autocast's weight cache.
+    """
+
+    def __init__(self, trainer: TorchTrainer, opt: torch.optim.Optimizer,
+                 weights: list[torch.Tensor], amp: torch.dtype | None,
+                 scaler: torch.amp.GradScaler, stream: torch.cuda.Stream) -> None:
+        self.trainer, self.opt, self.weights = trainer, opt, weights
+        self.amp, self.scaler, self.stream = amp, scaler, stream
+        self.warm = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.x: torch.Tensor | None = None
+        self.y: torch.Tensor | None = None
+        self.loss: torch.Tensor | None = None
+        self.grads: list[torch.Tensor | None] = []
+
+    def _on_side_stream(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        main = torch.cuda.current_stream(self.trainer.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            out = fn()
+        main.wait_stream(self.stream)
+        return out
+
+    def _capture(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x.clone(), y.clone()
+        graph = torch.cuda.CUDAGraph()
+
+        def capture() -> torch.Tensor:
+            graph.capture_begin()
+            try:
+                loss = self.trainer._step(self.x, self.y, self.opt, self.weights, self.amp,
+                                          self.scaler, cache=False)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+            return loss
+
+        try:
+            self.loss = self._on_side_stream(capture)
+        except Exception as exc:
+            raise RuntimeError(
+                "cuda_graph=True: this model's training step could not be captured in a CUDA "
+                "graph (it needs static shapes and no host synchronisation); train without "
+                f"cuda_graph: {exc}") from exc
+        self.grads = [p.grad for p in self.weights]  # keep the captured gradients alive
+        self.graph = graph
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.graph is None:
+            if self.warm < GRAPH_WARMUP:
+                self.warm += 1
+                return self._on_side_stream(lambda: self.trainer._step(
+                    x, y, self.opt, self.weights, self.amp, self.scaler))
+            self._capture(x, y)
+        assert self.graph is not None and self.x is not None and self.y is not None
+        self.x.copy_(x)
+        self.y.copy_(y)
+        self.graph.replay()
+        assert self.loss is not None
+        return self.loss
 
 
 class FunctionTrainer(Trainer):
