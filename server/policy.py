@@ -177,10 +177,12 @@ class SyncPolicy(Policy):
     with their staleness weight.
 
     Liveness: the policy measures each client's task time (from taking its task to pushing).
-    A member silent for ``liveness_factor`` times that (the cohort's median before its own
-    first measurement) is taken for dead (killed, frozen, or gone without leaving): its
-    session ends, so neither this round nor the next waits for it. A live client that was
-    only slow joins again and its update counts, late.
+    Once a member of the round has pushed, a member silent for ``liveness_factor`` times its
+    own task time (the cohort's median before its first measurement), scaled by how much
+    slower than usual this round's pushers were, is taken for dead (killed, frozen, or gone
+    without leaving): its session ends, so neither this round nor the next waits for it. A
+    machine under load slows everyone alike and drops no one; a live client that was only
+    slow joins again and its update counts, late.
     """
 
     def __init__(self, core: AggregatorCore) -> None:
@@ -197,6 +199,10 @@ class SyncPolicy(Policy):
         self._next = 0
         self.deadline = math.inf
         self._issued: dict[str, float] = {}   # member -> when it took this round's task
+        #: How much slower than usual this round's pushers were (at least 1; None until the
+        #: round's first push): a machine under load slows every member, and none is taken
+        #: for dead for being as slow as the others.
+        self._slowdown: float | None = None
         #: client -> smoothed seconds from taking a task to pushing its update
         self.task_s: dict[str, float] = {}
 
@@ -216,6 +222,7 @@ class SyncPolicy(Policy):
         self._members = frozenset(self.cohort)
         self.submitted, self.dropped, self._pending, self._next = set(), set(), {}, 0
         self._issued = {}
+        self._slowdown = None
         self.deadline = self.core.clock() + cfg.round_deadline_s
         self.open = True
         self.core.log_event("round_open", round=self.round, cohort=len(self.cohort))
@@ -315,6 +322,8 @@ class SyncPolicy(Policy):
             return
         seconds = max(self.core.clock() - taken, 0.0)
         old = self.task_s.get(cid)
+        ratio = seconds / old if old else 1.0
+        self._slowdown = max(self._slowdown or 1.0, ratio)
         self.task_s[cid] = seconds if old is None else 0.5 * (old + seconds)
 
     def liveness_bound(self, cid: str) -> float | None:
@@ -328,6 +337,8 @@ class SyncPolicy(Policy):
         return max(LIVENESS_MIN_S, self.core.config.liveness_factor * expected)
 
     def _drop_silent(self, now: float) -> None:
+        if self._slowdown is None:  # nobody has pushed this round: no scale to judge by
+            return
         silent = []
         for cid in self.cohort:
             if cid in self.submitted or cid in self.dropped:
@@ -336,6 +347,7 @@ class SyncPolicy(Policy):
             bound = self.liveness_bound(cid)
             if rec is None or bound is None:
                 continue
+            bound *= self._slowdown
             quiet = now - rec.last_seen
             if quiet > bound:
                 silent.append((rec, quiet, bound))

@@ -64,6 +64,33 @@ def test_a_member_that_keeps_calling_is_alive_however_long_it_takes() -> None:
     assert core.active_client_ids() == ["a", "b"] and core.version == 1
 
 
+def test_a_round_where_everyone_is_slower_drops_no_one() -> None:
+    """Load on the clients' machines slows every member alike: the first push of the round
+    sets the scale, and members as slow as it stay."""
+    clock = Clock()
+    core = make_core(clock, min_clients=3, liveness_factor=1.5, round_deadline_s=600)
+    sessions = joined(core, "a", "b", "c")
+    run_round(core, clock, sessions, task_s=2.0)
+    for s in sessions:
+        core.task(s)
+    clock.t += 3.5       # everyone is slower: past 1.5 x 2 s, but nobody has pushed yet
+    core.tick()
+    assert core.active_client_ids() == ["a", "b", "c"]
+    clock.t += 0.5
+    push(core, sessions[0], STEP)  # a took 4 s, twice its usual: the bound doubles to 6 s
+    core.tick()
+    clock.t += 1.5
+    core.tick()          # b and c: 5.5 s, within 1.5 x 2 s x 2
+    assert core.active_client_ids() == ["a", "b", "c"]
+    push(core, sessions[1], STEP)  # b took 5.5 s: the scale is the slowest pusher's, 2.75
+    clock.t += 2.5       # c: 8 s, within 1.5 x 2 s x 2.75 = 8.25 s
+    core.tick()
+    assert core.active_client_ids() == ["a", "b", "c"]
+    clock.t += 0.5       # c: 8.5 s, past it
+    core.tick()
+    assert core.active_client_ids() == ["a", "b"] and core.version == 2
+
+
 def test_without_a_measurement_only_the_round_deadline_applies() -> None:
     clock = Clock()
     core = make_core(clock, min_clients=2, liveness_factor=1.5, round_deadline_s=30)
