@@ -137,7 +137,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"run did not finish ({why}) at version {metrics.get('version', 0)}",
               file=sys.stderr)
     acc = summary.get("final_accuracy")
-    print(f"final test accuracy {acc:.4f} after {summary['versions']} versions "
+    ppl = metrics.get("perplexity")  # a language model's (the lm task)
+    print(f"final test accuracy {acc:.4f}"
+          + (f", perplexity {ppl:.2f}" if isinstance(ppl, float) else "")
+          + f" after {summary['versions']} versions "
           f"({summary['updates']} updates, {summary['bytes_up'] / 1e6:.2f} MB up) "
           f"in {summary['wall_s']:.1f} s" if acc is not None else "no version was published")
     written = [f"{out}/{name}" for name in ("metrics.jsonl", "summary.json", "accuracy.png")

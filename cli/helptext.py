@@ -34,8 +34,11 @@ def choices() -> dict[str, str]:
     )
     from murmura.simulation.config import DROPOUT, EXECUTORS, VECTORISE
     from murmura.tasks.partition import PARTITIONERS
-    from murmura.tasks.registry import MODELS, TASKS
+    from murmura.tasks.registry import TASK_MODELS, TASKS
 
+    by_models: dict[tuple[str, ...], list[str]] = {}  # tasks that share one list of models
+    for task, models in TASK_MODELS.items():
+        by_models.setdefault(models, []).append(task)
     return {
         "codecs": _join(available_codecs()), "rules": _join(available_aggregators()),
         "optimizers": _join(available_optimizers()), "attacks": _join(ATTACKS),
@@ -45,7 +48,11 @@ def choices() -> dict[str, str]:
         "staleness": _join(STALENESS),
         "dropout": _join(DROPOUT), "executors": _join(EXECUTORS),
         "vectorise": _join(VECTORISE), "partitions": _join(PARTITIONERS),
-        "models": _join(MODELS), "tasks": _join(sorted(TASKS)),
+        "models": "; ".join(f"{_join(models)} ({_join(tasks)})"
+                            for models, tasks in by_models.items()),
+        "default_models": ", ".join(f"{models[0]} for {' and '.join(tasks)}"
+                                    for models, tasks in by_models.items()),
+        "tasks": _join(sorted(TASKS)),
     }
 
 
@@ -62,7 +69,8 @@ FIELD_HELP: dict[str, dict[str, str]] = {
     },
     "TaskConfig": {
         "task": "bundled task (data set): {tasks}",
-        "model": "bundled model: {models}",
+        "model": "bundled model for the task: {models} (default: the task's first: "
+                 "{default_models})",
         "partition": "how the training data is split over clients: {partitions}",
         "alpha": "concentration of the dirichlet and quantity partitions (smaller: more "
                  "skewed shares); > 0",

@@ -104,7 +104,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if acc is None:
         print("no version was published")
     else:
-        print(f"final test accuracy {acc:.4f} after {s['versions']} versions "
+        ppl = result.rows[-1].get("perplexity") if result.rows else None  # the lm task's
+        print(f"final test accuracy {acc:.4f}"
+              + (f", perplexity {ppl:.2f}" if isinstance(ppl, float) else "")
+              + f" after {s['versions']} versions "
               f"({s['updates']} updates, {s['bytes_up'] / 1e6:.2f} MB up) in "
               f"{result.virtual_s:.1f} virtual s ({result.wall_s:.1f} s wall, "
               f"{stats['updates_per_wall_s'] or 0:.0f} client updates/s)")

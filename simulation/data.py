@@ -82,6 +82,9 @@ class SimulationData:
 
 
 def _factory(task_config: TaskConfig, features: int, classes: int) -> Any:
+    if task_config.model not in ("mlp", "logreg"):  # the lm task's GPTs need its own data
+        raise ValueError(f"model {task_config.model!r} needs the {task_config.task!r} task's "
+                         "own data; a local or scaled data set trains mlp or logreg")
     if task_config.model == "mlp":
         return partial(mlp, features, 64, classes)
     return partial(logistic_regression, features, classes)

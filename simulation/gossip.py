@@ -126,7 +126,7 @@ def evaluate_many(model_factory: Callable[[], torch.nn.Module], spec: ModelSpec,
         def one(p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
             logits = functional_call(module, p, (xt,))
             loss = torch.nn.functional.cross_entropy(logits, yt)
-            return (logits.argmax(-1) == yt).float().mean(), loss
+            return (logits.argmax(1) == yt).float().mean(), loss
 
         with torch.no_grad():
             a, loss = vmap(one)(params)

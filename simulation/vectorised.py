@@ -60,7 +60,15 @@ class VectorisationError(RuntimeError):
 
 def _cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Per-sample cross-entropy, ``logsumexp(z) - z[y]``: the same function as
-    ``F.cross_entropy(reduction='none')``, about twice as fast under ``vmap``."""
+    ``F.cross_entropy(reduction='none')``, about twice as fast under ``vmap``.
+
+    Logits with positions (``(N, C, d1, ...)``, a language model's ``(N, V, T)``) give each
+    sample's mean over its positions: with equal-length samples the batch mean is then the
+    trainer's ``F.cross_entropy`` (a mean over every position)."""
+    if logits.dim() > 2:
+        z = logits.movedim(1, -1)
+        per = torch.logsumexp(z, dim=-1) - z.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        return per.flatten(1).mean(1)
     return torch.logsumexp(logits, dim=-1) - logits.gather(-1, y.unsqueeze(-1)).squeeze(-1)
 
 

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
+import numpy.typing as npt
 from torch import nn
 
 from murmura.tasks import data as _data
@@ -23,7 +25,9 @@ class TaskConfig:
     """Which task to learn and how its data is split over clients."""
 
     task: str = "digits"
-    model: str = "mlp"
+    #: "" (the default): the task's own default model, the first of its :data:`TASK_MODELS`;
+    #: resolved when the config is built, so ``model`` always names a model afterwards.
+    model: str = ""
     partition: str = "dirichlet"
     alpha: float = 0.5
     data_seed: int = 0
@@ -38,8 +42,13 @@ class TaskConfig:
             load_app(self.app)
         if self.task not in TASKS:
             raise ValueError(f"unknown task {self.task!r}; available: {', '.join(sorted(TASKS))}")
+        if not self.model:
+            object.__setattr__(self, "model", TASK_MODELS[self.task][0])
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; available: {', '.join(MODELS)}")
+        if self.model not in TASK_MODELS[self.task]:
+            raise ValueError(f"model {self.model!r} does not fit task {self.task!r}; "
+                             f"use one of: {', '.join(TASK_MODELS[self.task])}")
         if self.partition not in PARTITIONERS:
             raise ValueError(f"unknown partition {self.partition!r}; "
                              f"available: {', '.join(PARTITIONERS)}")
@@ -75,25 +84,54 @@ class Task:
 
     def shares(self, num_clients: int) -> list:
         if self._shares is None or len(self._shares) != num_clients:
-            self._shares = partition(self.train.y, num_clients, scheme=self.config.partition,
-                                     seed=self.config.data_seed, alpha=self.config.alpha)
+            self._shares = partition(self.partition_labels(), num_clients,
+                                     scheme=self.config.partition, seed=self.config.data_seed,
+                                     alpha=self.config.alpha)
         return self._shares
 
+    def partition_labels(self) -> npt.NDArray[np.int64]:
+        """What the partition skews over: the training labels (the lm task: sources)."""
+        return self.train.y
 
-def _digits(cfg: TaskConfig) -> tuple[ArrayDataset, ArrayDataset]:
-    return _data.load_digits(seed=cfg.data_seed)
+
+def _classifier(cfg: TaskConfig, train: ArrayDataset, test: ArrayDataset) -> Task:
+    features, classes = train.x.shape[1], max(train.num_classes, test.num_classes)
+    factory: Callable[[], nn.Module] = (
+        partial(_models.mlp, features, 64, classes) if cfg.model == "mlp"
+        else partial(_models.logistic_regression, features, classes)
+    )
+    return Task(cfg, train, test, factory)
 
 
-def _synthetic(cfg: TaskConfig) -> tuple[ArrayDataset, ArrayDataset]:
+def _digits(cfg: TaskConfig) -> Task:
+    return _classifier(cfg, *_data.load_digits(seed=cfg.data_seed))
+
+
+def _synthetic(cfg: TaskConfig) -> Task:
     full = _data.make_synthetic(num_examples=12_000, seed=cfg.data_seed)
-    return _data.train_test_split(full, test_fraction=1 / 6, seed=cfg.data_seed)
+    return _classifier(cfg, *_data.train_test_split(full, test_fraction=1 / 6,
+                                                    seed=cfg.data_seed))
 
 
-TASKS: dict[str, Callable[[TaskConfig], tuple[ArrayDataset, ArrayDataset]]] = {
+def _lm(cfg: TaskConfig) -> Task:
+    from murmura.tasks.lm import load_lm_task  # here: murmura.tasks.lm imports this module
+
+    return load_lm_task(cfg)
+
+
+#: Bundled tasks by name: each builds its :class:`Task` from the config.
+TASKS: dict[str, Callable[[TaskConfig], Task]] = {
     "digits": _digits,
     "synthetic": _synthetic,
+    "lm": _lm,
 }
-MODELS = ("mlp", "logreg")
+#: The models each task can build; the first is its default.
+TASK_MODELS: dict[str, tuple[str, ...]] = {
+    "digits": ("mlp", "logreg"),
+    "synthetic": ("mlp", "logreg"),
+    "lm": ("gpt1m", "gpt10m", "gpt100m"),
+}
+MODELS = tuple(dict.fromkeys(m for models in TASK_MODELS.values() for m in models))
 
 
 def load_task(cfg: TaskConfig) -> Task:
@@ -102,10 +140,4 @@ def load_task(cfg: TaskConfig) -> Task:
         from murmura.tasks.app import AppTask, load_app
 
         return AppTask(cfg, load_app(cfg.app))
-    train, test = TASKS[cfg.task](cfg)
-    features, classes = train.x.shape[1], max(train.num_classes, test.num_classes)
-    factory: Callable[[], nn.Module] = (
-        partial(_models.mlp, features, 64, classes) if cfg.model == "mlp"
-        else partial(_models.logistic_regression, features, classes)
-    )
-    return Task(cfg, train, test, factory)
+    return TASKS[cfg.task](cfg)
