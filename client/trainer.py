@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -388,7 +388,7 @@ class TorchTrainer(Trainer):
         return total
 
     def _step(self, x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer,
-              weights: list[torch.Tensor], amp: torch.dtype | None,
+              weights: Sequence[torch.Tensor], amp: torch.dtype | None,
               scaler: torch.amp.GradScaler, cache: bool = True) -> torch.Tensor:
         """One SGD step on ``(x, y)``; returns the loss (a device tensor, not read)."""
         for p in weights:  # opt.zero_grad(set_to_none=True), minus its profiler hooks
@@ -468,7 +468,7 @@ class _GraphedStep:
     """
 
     def __init__(self, trainer: TorchTrainer, opt: torch.optim.Optimizer,
-                 weights: list[torch.Tensor], amp: torch.dtype | None,
+                 weights: Sequence[torch.Tensor], amp: torch.dtype | None,
                  scaler: torch.amp.GradScaler, stream: torch.cuda.Stream) -> None:
         self.trainer, self.opt, self.weights = trainer, opt, weights
         self.amp, self.scaler, self.stream = amp, scaler, stream
@@ -488,13 +488,14 @@ class _GraphedStep:
         return out
 
     def _capture(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.x, self.y = x.clone(), y.clone()
+        static_x, static_y = x.clone(), y.clone()
+        self.x, self.y = static_x, static_y
         graph = torch.cuda.CUDAGraph()
 
         def capture() -> torch.Tensor:
             graph.capture_begin()
             try:
-                loss = self.trainer._step(self.x, self.y, self.opt, self.weights, self.amp,
+                loss = self.trainer._step(static_x, static_y, self.opt, self.weights, self.amp,
                                           self.scaler, cache=False)
             except BaseException:
                 with contextlib.suppress(Exception):
