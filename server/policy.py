@@ -326,25 +326,30 @@ class SyncPolicy(Policy):
         self._slowdown = max(self._slowdown or 1.0, ratio)
         self.task_s[cid] = seconds if old is None else 0.5 * (old + seconds)
 
-    def liveness_bound(self, cid: str) -> float | None:
+    def liveness_bound(self, cid: str, typical: float | None = None) -> float | None:
         """Seconds of silence after which cohort member ``cid`` is taken for dead (None: no
-        measurement yet; the round deadline alone applies)."""
+        measurement yet; the round deadline alone applies). ``typical``: the cohort's median
+        task time when the caller has it (one median per tick, not one per member)."""
         expected = self.task_s.get(cid)
         if expected is None:
-            if not self.task_s:
+            expected = typical if typical is not None else self._typical_task_s()
+            if expected is None:
                 return None
-            expected = float(np.median(list(self.task_s.values())))
         return max(LIVENESS_MIN_S, self.core.config.liveness_factor * expected)
+
+    def _typical_task_s(self) -> float | None:
+        return float(np.median(list(self.task_s.values()))) if self.task_s else None
 
     def _drop_silent(self, now: float) -> None:
         if self._slowdown is None:  # nobody has pushed this round: no scale to judge by
             return
         silent = []
+        typical = self._typical_task_s()
         for cid in self.cohort:
             if cid in self.submitted or cid in self.dropped:
                 continue
             rec = self.core.record_of(cid)
-            bound = self.liveness_bound(cid)
+            bound = self.liveness_bound(cid, typical)
             if rec is None or bound is None:
                 continue
             bound *= self._slowdown
