@@ -145,7 +145,7 @@ from murmura.client.zo import ZOTrainer  # noqa: E402
 from murmura.protocols import TaskSettings, prng  # noqa: E402
 from murmura.protocols.codecs import seed as seed_codec  # noqa: E402
 from murmura.protocols.codecs._util import one_torch_thread  # noqa: E402
-from murmura.protocols.codecs.seed import APPLY_BLOCK, ZOSteps  # noqa: E402
+from murmura.protocols.codecs.seed import APPLY_BLOCK, BlockDraw, ZOSteps  # noqa: E402
 
 NAME = "zo_speed"
 BATCH = 64
@@ -239,28 +239,16 @@ def mezo_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int,
 
 
 def draw_cpu(n: int, keys: Sequence[tuple[int, int]], block: int = APPLY_BLOCK) -> torch.Tensor:
-    """The CPU replay kernel's generator alone: every stream's +-1 values, block by block,
-    into reused buffers (``seed._apply_steps_cpu`` without the coefficient and the add).
-    Returns the buffer holding the last block drawn."""
-    max_words = (min(block, n) + 31) // 32 + 1  # a block may straddle one extra word
-    counter = np.arange(max_words, dtype=np.uint32)
-    words = np.empty(max_words, dtype=np.uint32)
-    scratch = np.empty(max_words, dtype=np.uint32)
-    index = torch.empty(4 * max_words, dtype=torch.int32)
-    values = torch.empty(32 * max_words, dtype=torch.float32)
-    as_bytes = torch.from_numpy(words.view(np.uint8))  # byte q of a word = its bits 8q..8q+7
-    table = prng._TABLE_CPU
+    """The CPU replay kernel's generator alone (``seed.BlockDraw``, as ``_apply_steps_cpu``
+    calls it, without the coefficient and the add): every stream's +-1 values, block by
+    block. Returns the last block drawn."""
+    draw = BlockDraw(min(block, n))
+    out = torch.empty(0)
     with one_torch_thread(), torch.no_grad():
         for stream in keys:
             for start in range(0, n, block):
-                size = min(block, n - start)
-                first, last = start >> 5, (start + size - 1) >> 5
-                count = last - first + 1
-                prng.hash_words_into(stream, first, words[:count], scratch, counter)
-                index[: 4 * count].copy_(as_bytes[: 4 * count])
-                torch.index_select(table, 0, index[: 4 * count],
-                                   out=values[: 32 * count].view(-1, 8))
-    return values
+                out = draw.block(start, min(block, n - start))(stream, prng._TABLE_CPU)
+    return out
 
 
 def draw_cuda(scratch: torch.Tensor, keys: Sequence[tuple[int, int]],

@@ -196,31 +196,52 @@ def _apply_steps_cpu(theta: torch.Tensor, steps: list[tuple[int, float]], block:
         return
     keys = [prng.stream_keys(seed) for seed, _ in steps]
     size = theta.numel()
-    max_words = (min(block, size) + 31) // 32 + 1  # a block may straddle one extra word
-    counter = np.arange(max_words, dtype=np.uint32)
-    words = np.empty(max_words, dtype=np.uint32)
-    scratch = np.empty(max_words, dtype=np.uint32)
-    index = torch.empty(4 * max_words, dtype=torch.int32)
-    values = torch.empty(32 * max_words, dtype=torch.float32)
+    draw = BlockDraw(min(block, size))
     table = torch.empty_like(prng._TABLE_CPU)
-    as_bytes = torch.from_numpy(words.view(np.uint8))  # little-endian: byte q = bits 8q..8q+7
     with one_torch_thread(), torch.no_grad():
         for start in range(0, size, block):
             n = min(block, size - start)
-            first, last = start >> 5, (start + n - 1) >> 5
-            count, skip = last - first + 1, start & 31
-            part = theta[start : start + n]
-            block_words, block_bytes = words[:count], as_bytes[: 4 * count]
-            block_index = index[: 4 * count]
-            block_values = values[: 32 * count]
-            rows = block_values.view(-1, 8)
-            z = block_values[skip : skip + n]
+            part, z = theta[start : start + n], draw.block(start, n)
             for (_, coeff), stream in zip(steps, keys, strict=True):
-                prng.hash_words_into(stream, first, block_words, scratch, counter)
-                block_index.copy_(block_bytes)
                 torch.mul(prng._TABLE_CPU, coeff, out=table)  # +-coeff: exact
-                torch.index_select(table, 0, block_index, out=rows)
-                part.add_(z)
+                part.add_(z(stream, table))
+
+
+class BlockDraw:
+    """The CPU kernel's generator: values ``start .. start+n-1`` of a stream, each bit of its
+    words mapped through ``table`` (a row per byte: ``+-1``, or ``+-coeff`` for a scaled draw),
+    into buffers allocated once for blocks of up to ``max_block`` values. :meth:`block` picks
+    the range (its views are made once per block, not per stream); each call then draws one
+    stream into the same view, overwriting the last. Call it under :func:`one_torch_thread`
+    (see :func:`_apply_steps_cpu`)."""
+
+    def __init__(self, max_block: int) -> None:
+        max_words = (max_block + 31) // 32 + 1  # a block may straddle one extra word
+        self._counter = np.arange(max_words, dtype=np.uint32)
+        self._words = np.empty(max_words, dtype=np.uint32)
+        self._scratch = np.empty(max_words, dtype=np.uint32)
+        self._index = torch.empty(4 * max_words, dtype=torch.int32)
+        self._values = torch.empty(32 * max_words, dtype=torch.float32)
+        # little-endian: byte q of a word is its bits 8q..8q+7
+        self._bytes = torch.from_numpy(self._words.view(np.uint8))
+        self.block(0, max_block)
+
+    def block(self, start: int, n: int) -> BlockDraw:
+        """Draw values ``start .. start+n-1`` from now on."""
+        self._first, last = start >> 5, (start + n - 1) >> 5
+        count, skip = last - self._first + 1, start & 31
+        self._block_words, self._block_bytes = self._words[:count], self._bytes[: 4 * count]
+        self._block_index = self._index[: 4 * count]
+        values = self._values[: 32 * count]
+        self._rows, self._z = values.view(-1, 8), values[skip : skip + n]
+        return self
+
+    def __call__(self, stream: tuple[int, int], table: torch.Tensor) -> torch.Tensor:
+        prng.hash_words_into(stream, self._first, self._block_words, self._scratch,
+                             self._counter)
+        self._block_index.copy_(self._block_bytes)
+        torch.index_select(table, 0, self._block_index, out=self._rows)
+        return self._z
 
 
 @dataclass(frozen=True)
