@@ -61,11 +61,11 @@ class RecentMap(Generic[K, V]):
         """Drop the entries older than ``ttl_s``; how many went."""
         if not self.ttl_s:
             return 0
-        limit = (self.clock() if now is None else now) - self.ttl_s
+        now = self.clock() if now is None else now
         dropped = 0
         while self._items:
             _, (_, t) = next(iter(self._items.items()))
-            if t > limit:
+            if now - t < self.ttl_s:  # the age as the clock gives it, no rounded cut-off
                 break
             self._items.popitem(last=False)
             dropped += 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from murmura.server.recent import RecentMap
@@ -24,6 +24,7 @@ def test_entries_expire_by_age_and_by_count() -> None:
     assert RecentMap(1, 0.0, clock).expire() == 0  # ttl 0: no age bound
 
 
+@example(ops=[(0, 1.0042224055782702), (1, 3.0)], cap=2, ttl=3.0)  # a rounded cut-off kept it
 @given(st.lists(st.tuples(st.integers(0, 20), st.floats(0, 5)), max_size=60),
        st.integers(1, 8), st.floats(0.5, 20))
 def test_never_more_than_max_items_and_nothing_older_than_ttl(ops, cap, ttl) -> None:
