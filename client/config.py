@@ -41,6 +41,7 @@ class ClientConfig:
     profile: bool = True           # measure training speed at start and send it with Join
     memory_fraction: float = 0.0   # CUDA: cap this process at this share of the GPU (0: none)
     micro_batch: int = 0           # rows per pass (gradient accumulation); 0: probe on CUDA
+    cuda_graph: bool = False       # CUDA: replay first-order steps as a captured CUDA graph
     status_file: str = ""          # write progress JSON here after every task (murmura launch)
     give_up_after_s: float = 300.0
     attack: str = ""               # opt-in malicious mode (tests, red-team runs)
