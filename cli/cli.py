@@ -828,7 +828,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the status table every this many seconds")
     p.set_defaults(fn=cmd_launch)
 
-    from murmura.simulation.cli import add_parser as add_simulate
+    from murmura.simulate import add_parser as add_simulate
 
     add_simulate(sub)  # murmura simulate: same [task]/[server] config, virtual clock
     return parser

@@ -391,7 +391,7 @@ def _gossip(args: argparse.Namespace, toml: dict[str, Any]) -> None:
 
 @check("simulate")
 def _simulate(args: argparse.Namespace, toml: dict[str, Any]) -> None:
-    from murmura.simulation.cli import load_configs
+    from murmura.simulate import load_configs
 
     _early_codec_and_rule(args, toml)
     _, server, sim, _ = load_configs(toml, args)

@@ -3,7 +3,6 @@ aggregator core, codecs and trainers (vectorised with torch.func where the model
 
 from murmura.simulation.api import prepare_server, simulate
 from murmura.simulation.attacks import BatchHook, UpdateBatch
-from murmura.simulation.cli import simulate_file
 from murmura.simulation.clock import EventQueue, VirtualClock
 from murmura.simulation.config import SimulationConfig
 from murmura.simulation.data import (
@@ -68,7 +67,6 @@ __all__ = [
     "natural",
     "prepare_server",
     "simulate",
-    "simulate_file",
     "update_header_bytes",
     "update_wire_bytes",
 ]

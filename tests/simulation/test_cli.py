@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from murmura.simulation import simulate_file
-from murmura.simulation.cli import add_parser
+from murmura.simulate import simulate_file
+from murmura.simulate import add_parser
 
 CONFIG = """
 [task]
