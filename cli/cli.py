@@ -510,6 +510,7 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None, report: bool = 
                     trainer.train_zeroth_order_only(cfg.zo_lr)
             trainer.first_order.micro_batch = micro
             trainer.first_order.cuda_graph = cfg.cuda_graph
+            trainer.zeroth_order.cuda_graph = cfg.cuda_graph
             if cfg.profile:  # a short timed warm-up: the server plans work from it
                 profile = profile_device(trainer.model, torch.from_numpy(data.x[:16]),
                                          torch.from_numpy(data.y[:16]), device=trainer.device,

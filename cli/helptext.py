@@ -158,9 +158,9 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "memory_fraction": "CUDA: cap this process at this share of the GPU, in [0, 1] "
                            "(0: no cap)",
         "micro_batch": "rows per forward pass, accumulating gradients (0: probe on CUDA)",
-        "cuda_graph": "CUDA: capture a first-order training step once and replay it as a CUDA "
-                      "graph (fewer launches: pays for small models and batches, and makes "
-                      "bf16 pay there; see docs/edge.md)",
+        "cuda_graph": "CUDA: replay a first-order training step, or a zeroth-order step's "
+                      "forward passes, as a captured CUDA graph (fewer launches: pays for "
+                      "small models and batches, and makes bf16 pay there; see docs/edge.md)",
         "status_file": "write progress JSON here after every task (murmura launch)",
         "give_up_after_s": "exit when the aggregator cannot be reached for this many seconds "
                            "(from the first try)",

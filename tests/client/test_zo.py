@@ -269,3 +269,13 @@ def test_a_model_too_large_for_the_device_is_a_one_line_error() -> None:
     with pytest.raises(ValueError, match=r"does not fit on cuda:0 .* GB free") as err:
         check_fits(model_bytes(model), torch.device("cuda", 0), model_bytes(model))
     assert "\n" not in str(err.value)
+
+
+def test_cuda_graph_is_a_no_op_on_the_cpu(digits) -> None:
+    plain = ZOTrainer(digits.build_model(), digits.client_data(0, 4), device="cpu")
+    graphed = ZOTrainer(digits.build_model(), digits.client_data(0, 4), device="cpu",
+                        cuda_graph=True)
+    start = plain.spec.flatten(plain.model)
+    a = plain.train(start, zo_settings(local_steps=5), seed=3)
+    b = graphed.train(start, zo_settings(local_steps=5), seed=3)
+    assert a.encoded == b.encoded and graphed._graphs is None
