@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from murmura.simulate import simulate_file
-from murmura.simulate import add_parser
+from murmura.simulate import add_parser, simulate_file
 
 CONFIG = """
 [task]
