@@ -24,6 +24,12 @@ class FedBuff:
     The aggregate is sum_i n_i s(tau_i) u_i / sum_i n_i: staleness shrinks an update's share
     without renormalising, so with tau = 0 everywhere and K equal to a sync cohort one buffer
     step is exactly a FedAvg round.
+
+    The buffer's rules (which staleness is refused, the factor an update is folded with, when
+    the buffer is full) live in :meth:`admit` and :meth:`emptied`. :meth:`add` and
+    :meth:`flush` fold and aggregate here; the server calls ``admit`` and ``emptied`` itself,
+    because it folds into :attr:`aggregator` on its publisher thread, so both run the same
+    rules.
     """
 
     def __init__(self, size: int, *, buffer_size: int, max_staleness: int,
@@ -37,6 +43,7 @@ class FedBuff:
         self.max_staleness = max_staleness
         self.staleness = staleness or Polynomial(0.5)
         self._agg = aggregator(size)
+        self._admitted = 0  # updates admitted since the buffer last emptied
 
     def check(self, staleness: int) -> None:
         """Raise :class:`StaleUpdateError` if an update this stale would be refused."""
@@ -47,23 +54,41 @@ class FedBuff:
                 f"update is {staleness} versions old; the limit is {self.max_staleness}"
             )
 
+    def admit(self, staleness: int, count: int = 1) -> tuple[float, bool]:
+        """Admit ``count`` updates this stale (a leaf's partial aggregate carries several).
+
+        Returns the staleness factor to fold them with and whether the buffer is now full;
+        raises :class:`StaleUpdateError` (admitting nothing) for an update that is too old.
+        """
+        if count < 1:
+            raise AggregationError(f"count must be >= 1, got {count}")
+        self.check(staleness)
+        self._admitted += count
+        return self.staleness(staleness), self._admitted >= self.buffer_size
+
+    def emptied(self) -> int:
+        """Start the next buffer; returns how many updates the full one held."""
+        count, self._admitted = self._admitted, 0
+        return count
+
     def add(self, update: FlatVector, num_examples: float, staleness: int, *,
             client_id: str = "") -> bool:
         """Buffer one update; True when the buffer is full and :meth:`flush` should run."""
-        self.check(staleness)
-        self._agg.add(update, num_examples, factor=self.staleness(staleness),
-                      client_id=client_id)
-        return self._agg.count >= self.buffer_size
+        factor, full = self.admit(staleness)
+        self._agg.add(update, num_examples, factor=factor, client_id=client_id)
+        return full
 
     def flush(self) -> FlatVector:
         """The buffered aggregate; the buffer empties."""
         out = self._agg.result()
         self._agg.reset()
+        self.emptied()
         return out
 
     @property
     def count(self) -> int:
-        return self._agg.count
+        """Updates admitted since the buffer last emptied."""
+        return self._admitted
 
     @property
     def aggregator(self) -> Aggregator:

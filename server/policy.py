@@ -379,7 +379,6 @@ class AsyncPolicy(Policy):
                               max_staleness=cfg.max_staleness, staleness=self.staleness,
                               aggregator=lambda size: make_aggregator(core))
         self.aggregator = self.buffer.aggregator
-        self._count = 0  # updates handed to the publisher since the last version
         self._tasks = 0
 
     def task_for(self, rec: ClientRecord) -> Task:
@@ -403,20 +402,20 @@ class AsyncPolicy(Policy):
 
     def _take(self, client_id: str, header: UpdateHeader, update: Decoded, staleness: int,
               release: Release) -> None:
-        self._count += update.count
+        # FedBuff's own rules (aggregation/fedbuff.py) on this thread; the fold itself runs on
+        # the publisher, after the folds before it.
+        factor, full = self.buffer.admit(staleness, update.count)
         self.core.fold(fold_into, update, self.aggregator, float(header.num_examples),
-                       factor=self.staleness(staleness), client_id=client_id,
-                       release=release)
-        if self._count >= self.buffer.buffer_size:
-            count, self._count = self._count, 0
-            self.core.publish(self.aggregator, updates=count)
+                       factor=factor, client_id=client_id, release=release)
+        if full:
+            self.core.publish(self.aggregator, updates=self.buffer.emptied())
 
     def restore(self, client_id: str, header: UpdateHeader, update: Decoded,
                 staleness: int) -> None:
         self._take(client_id, header, update, staleness, None)
 
     def buffered(self) -> int:
-        return self._count
+        return self.buffer.count
 
 
 @dataclass

@@ -153,6 +153,18 @@ def test_fedbuff_discounts_stale_updates_and_refuses_too_stale() -> None:
     assert buf.count == 0
 
 
+def test_admit_counts_partials_and_a_refused_update_counts_nothing() -> None:
+    buf = FedBuff(2, buffer_size=5, max_staleness=2, staleness=Polynomial(1.0))
+    assert buf.admit(0, 3) == (1.0, False)           # a leaf's partial of three updates
+    with pytest.raises(StaleUpdateError):
+        buf.admit(3)
+    with pytest.raises(AggregationError, match="count"):
+        buf.admit(0, 0)
+    assert buf.count == 3
+    assert buf.admit(1, 2) == (0.5, True)
+    assert buf.emptied() == 5 and buf.count == 0
+
+
 # -- server optimizers ------------------------------------------------------------------------
 
 def test_fedavg_optimizer_applies_the_mean_update() -> None:

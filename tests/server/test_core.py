@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from murmura.aggregation import FedAvgOpt, FedBuff, Polynomial
 from murmura.protocols import (
     Action,
     DeviceProfile,
@@ -249,6 +250,27 @@ def test_async_policy_publishes_every_k_updates_with_staleness() -> None:
     np.testing.assert_allclose(core.params, P0 + 2)
     r = push(core, a, [1, 1, 1, 1], base=0)
     assert r.staleness == 1
+
+
+def test_the_async_core_publishes_what_fedbuff_computes(rng) -> None:
+    # The server folds on its publisher thread but through FedBuff's own admit/emptied rules,
+    # so its versions are FedBuff.add/flush's aggregates, stale updates included.
+    core = make_core(mode="async", buffer_size=3, max_staleness=3, server_lr=1.0,
+                     optimizer="fedavg")
+    sessions = joined(core, "a", "b", "c")
+    buf = FedBuff(4, buffer_size=3, max_staleness=3, staleness=Polynomial(0.5))
+    want = P0.copy()
+    bases = [0, 0, 0, 1, 0, 1, 2, 1, 0]  # version k+1 is published after pushes 3k..3k+2
+    for i, base in enumerate(bases):
+        update = rng.normal(size=4).astype(np.float32)
+        n = int(rng.integers(1, 20))
+        r = push(core, sessions[i % 3], update, base=base, n=n)
+        assert r.staleness == core.version - base - (1 if (i + 1) % 3 == 0 else 0)
+        if buf.add(update, float(n), r.staleness):
+            want = FedAvgOpt(lr=1.0).step(want, buf.flush())
+        assert core.policy.buffered() == buf.count
+    assert core.version == 3
+    assert core.params.tobytes() == want.tobytes()
 
 
 def test_finished_run_says_stop_and_refuses_updates() -> None:
