@@ -48,21 +48,15 @@ def _as_tensor(x: FlatVector) -> torch.Tensor:
 
 
 def _fused_add(acc: torch.Tensor, update: torch.Tensor, alpha: float) -> None:
-    """acc += alpha * update in one pass, on the calling thread only.
+    """acc += alpha * update in one pass (torch ``add_`` with ``alpha``).
 
-    The sum is memory-bound, so a second thread adds nothing but a synchronisation that stalls
-    whenever the other core is busy (measured on a 2-core machine: 5 GB/s with two threads
-    against 17 GB/s with one, the numpy roofline). OpenMP's thread count is per calling
-    thread, so lowering it here leaves the rest of the process alone; a toggle costs ~0.1 us.
+    The sum is memory-bound, so it runs fastest on one thread (measured on a 2-core machine:
+    5 GB/s with two threads against 17 GB/s with one, the numpy roofline). Torch's thread
+    count is process-wide, so this pure rule leaves it alone: the server folds under
+    ``murmura.protocols.codecs.one_torch_thread`` (its publisher thread), and other callers
+    choose for themselves.
     """
-    threads = torch.get_num_threads()
-    if threads != 1:
-        torch.set_num_threads(1)
-    try:
-        acc.add_(update, alpha=alpha)
-    finally:
-        if threads != 1:
-            torch.set_num_threads(threads)
+    acc.add_(update, alpha=alpha)
 
 
 #: Accumulator alignment: a cache line (and one AVX-512 vector).
@@ -86,10 +80,10 @@ class WeightedMean(Aggregator):
     """sum_i w_i f_i u_i / sum_i w_i, in one float32 accumulator (or, opt-in, an exact one).
 
     The accumulate step is one fused multiply-add over the vector (torch ``add_`` with
-    ``alpha``, single-threaded, into a cache-line-aligned accumulator), which runs at memory
-    bandwidth; memory stays O(model) whatever the number of updates. Float32 summation depends
-    on the order of the updates; callers that need bit-identical reruns add them in a fixed
-    order (the sync policy does).
+    ``alpha``, into a cache-line-aligned accumulator), which runs at memory bandwidth on one
+    thread (the caller sets torch's threads: see :func:`_fused_add`); memory stays O(model)
+    whatever the number of updates. Float32 summation depends on the order of the updates;
+    callers that need bit-identical reruns add them in a fixed order (the sync policy does).
 
     ``exact=True`` accumulates in an :class:`ExactSum` instead (about 15-20x the cost of the
     float32 fold, 16 bytes per value): the result is then bit-identical whatever the order of

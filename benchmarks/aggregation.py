@@ -5,7 +5,8 @@ representation it receives off the wire:
 
 * **murmura** — the dense-f32 payload bytes the server assembled (a ``memoryview``), decoded
   by the codec (``np.frombuffer``) and folded into ``murmura.aggregation.WeightedMean`` one
-  update at a time (``add(update, weight)``), then ``result()``;
+  update at a time (``add(update, weight)`` under ``one_torch_thread``, as the server's
+  publisher runs each fold), then ``result()``;
 * **roofline** — numpy summing the same vectors into one float32 accumulator
   (``np.add(acc, x, out=acc)``): one read of every input, the least any aggregation can do;
 * **flwr current** — ``flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords``, the
@@ -58,7 +59,8 @@ OURS, ROOF, FLWR, LEGACY = "murmura", "roofline", "flwr current", "flwr legacy"
 OURS_1T = "murmura, 1 torch thread"
 METHODS = (OURS, ROOF, FLWR, LEGACY, OURS_1T)
 DESCRIPTION = {
-    OURS: "WeightedMean.add per update, then result()",
+    OURS: "WeightedMean.add per update (under one_torch_thread, as the server folds), then "
+          "result()",
     ROOF: "numpy acc += x (memory roofline)",
     FLWR: "strategy_utils.aggregate_arrayrecords",
     LEGACY: "server.strategy.aggregate.aggregate",
@@ -140,13 +142,15 @@ def check_flower_wire_form() -> None:
 def murmura_case(inp: Inputs) -> Callable[[], Any]:
     from murmura.aggregation import WeightedMean
     from murmura.protocols import create_codec
+    from murmura.protocols.codecs import one_torch_thread
 
     codec = create_codec("dense-f32", {})
 
     def run() -> Any:
         agg = WeightedMean(inp.p)
         for payload, w in zip(inp.views, inp.weights, strict=True):
-            agg.add(codec.decode(payload, inp.p), float(w))
+            with one_torch_thread():  # as the server's publisher runs every fold
+                agg.add(codec.decode(payload, inp.p), float(w))
         return agg.result()
 
     return run

@@ -37,6 +37,7 @@ from murmura.protocols import (
     Task,
     UpdateHeader,
 )
+from murmura.protocols.codecs import one_torch_thread
 from murmura.protocols.identity import (
     PUBLIC_KEY_BYTES,
     SIGNATURE_BYTES,
@@ -937,7 +938,8 @@ class AggregatorCore:
 
         def run() -> None:
             try:
-                fn(box.pop(), *args, **kwargs)
+                with one_torch_thread():  # a memory-bound fold is fastest on one core
+                    fn(box.pop(), *args, **kwargs)
             finally:
                 if release is not None:
                     release()

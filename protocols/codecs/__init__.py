@@ -2,6 +2,7 @@
 
 # Importing a codec module registers its codecs.
 from murmura.protocols.codecs import dense, partial, proj, quant, seed, sign, topk  # noqa: F401
+from murmura.protocols.codecs._util import one_torch_thread
 from murmura.protocols.codecs.base import (
     Codec,
     CodecError,
@@ -19,6 +20,7 @@ from murmura.protocols.codecs.partial import (
 )
 
 __all__ = [
+    "one_torch_thread",
     "PARTIAL_CODEC",
     "Codec",
     "CodecError",

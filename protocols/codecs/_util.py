@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import threading
 from collections.abc import Iterator, Mapping
 from typing import TypeVar
 
@@ -31,18 +32,38 @@ FLOAT_DTYPES: dict[str, np.dtype[np.floating]] = {"f32": np.dtype("<f4"), "f16":
 F16_MAX = float(np.finfo(np.float16).max)
 
 
+_THREADS_LOCK = threading.Lock()
+_single_threaded_depth = 0
+_saved_threads = 1
+
+
 @contextlib.contextmanager
 def one_torch_thread() -> Iterator[None]:
-    """Torch's intra-op threads lowered to one for the block, on the calling thread only
-    (OpenMP's count is per thread): a decoder runs on one core, a worker's or the loop's."""
-    threads = torch.get_num_threads()
-    if threads != 1:
-        torch.set_num_threads(1)
+    """Torch's intra-op threads lowered to one for the block.
+
+    Memory-bound ops on cache-sized blocks (a decoder's, the fold's) run fastest on one core: a
+    second OpenMP thread adds a synchronisation per op that stalls whenever another process
+    holds the other core. Torch's thread count is process-wide, so while any thread is inside
+    this block every torch op in the process runs on one thread. The block is re-entrant and
+    thread-safe: the first thread in lowers the count and the last one out restores it (a
+    save/restore per caller would let two overlapping callers restore each other's lowered
+    count and leave the process at one thread for good). This is the only place in the
+    library that changes the count temporarily; a pure aggregation rule never does.
+    """
+    global _single_threaded_depth, _saved_threads
+    with _THREADS_LOCK:
+        if _single_threaded_depth == 0:
+            _saved_threads = torch.get_num_threads()
+            if _saved_threads != 1:
+                torch.set_num_threads(1)
+        _single_threaded_depth += 1
     try:
         yield
     finally:
-        if threads != 1:
-            torch.set_num_threads(threads)
+        with _THREADS_LOCK:
+            _single_threaded_depth -= 1
+            if _single_threaded_depth == 0 and _saved_threads != 1:
+                torch.set_num_threads(_saved_threads)
 
 
 def pack_header(tag: int, flags: int) -> bytes:

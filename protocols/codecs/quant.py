@@ -171,7 +171,7 @@ _TORCH_SCALE_FROM = 1 << 20
 
 def _scale_codes(codes: npt.NDArray[np.int8], scales: npt.NDArray[np.float32],
                  out: npt.NDArray[np.float32]) -> None:
-    """``out = codes * scales`` (scales broadcast along rows), on the calling thread only.
+    """``out = codes * scales`` (scales broadcast along rows), on one torch thread.
 
     Read-only inputs (a payload in ``bytes``) take NumPy: torch would warn on them.
     """

@@ -187,7 +187,7 @@ def _apply_steps_cpu(theta: torch.Tensor, steps: list[tuple[int, float]], block:
     stand for, so one ``index_select`` writes ``coeff * z`` (exact: a sign flip) and one
     ``add_`` applies it. No temporaries: every buffer is allocated once per call.
 
-    The torch ops run on the calling thread only (as ``aggregation.fedavg._fused_add`` does):
+    The torch ops run on one thread (:func:`one_torch_thread`, as the server's folds do):
     they work on cache-sized blocks, so a second OpenMP thread adds a synchronisation per op
     (2,400 per 300-step update of 1M values) that stalls whenever another process holds the
     other core; on a loaded 2-core machine two threads took 10x the CPU-seconds of one.
