@@ -13,8 +13,13 @@ from murmura.server.errors import (
     Unauthenticated,
 )
 from murmura.server.outputs import RunRecorder
+from murmura.server.state import AggregatorState, MemoryState
+from murmura.server.store import SqliteState
 
 __all__ = [
+    "AggregatorState",
+    "MemoryState",
+    "SqliteState",
     "AggregatorCore",
     "AggregatorServer",
     "Checkpoint",

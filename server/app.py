@@ -21,7 +21,8 @@ from murmura.server.core import VERSIONS_DIR, AggregatorCore, evaluator_for, lin
 from murmura.server.outputs import RunRecorder
 from murmura.server.publisher import Publisher
 from murmura.server.service import MAX_MESSAGE_BYTES, AggregatorServicer, add_servicer
-from murmura.server.store import DB_NAME, StateStore
+from murmura.server.state import AggregatorState
+from murmura.server.store import DB_NAME, SqliteState
 from murmura.server.tier import Tier
 from murmura.tasks import Task, TaskConfig, load_task
 
@@ -62,17 +63,29 @@ def build_core(config: ServerConfig, task_config: TaskConfig, *, out_dir: str | 
 def assemble_core(config: ServerConfig, spec: ModelSpec, initial: Any, *,
                   out_dir: str | Path | None, resume: str | Path | None = None,
                   evaluator: Any = None, clock: Callable[[], float] = time.monotonic,
-                  checkpoint: bool = True, fresh_metrics: bool = False, durable: bool = False,
+                  checkpoint: bool = True, fresh_metrics: bool = False,
+                  durable: bool | AggregatorState = False,
                   run_config: dict[str, Any] | None = None) -> AggregatorCore:
-    """:func:`build_core` once the model is known: outputs, checkpoint and durable state."""
-    store = stored = None
-    if durable:
+    """:func:`build_core` once the model is known: outputs, checkpoint and durable state.
+
+    ``durable=True`` keeps the state in ``out_dir`` (:class:`SqliteState`); an
+    :class:`AggregatorState` passed instead is used as it is (a :class:`MemoryState` lets a
+    test or a simulation restart an aggregator over the state the last one left).
+    """
+    store: AggregatorState | None = None
+    stored = None
+    if durable is not False:
         if out_dir is None or not checkpoint or config.role != "top":
             raise ValueError("durable state needs an output directory, checkpoints and the "
                              "top role")
-        existed = (Path(out_dir) / DB_NAME).exists()
-        store = StateStore(out_dir)
-        stored = store.load()
+        if isinstance(durable, AggregatorState):
+            store = durable
+            stored = store.load()
+            existed = not stored.empty
+        else:
+            existed = (Path(out_dir) / DB_NAME).exists()
+            store = SqliteState(out_dir)
+            stored = store.load()
         if not existed or stored.empty:
             stored = None
         elif resume:
@@ -115,7 +128,7 @@ def assemble_core(config: ServerConfig, spec: ModelSpec, initial: Any, *,
                      len(core.sessions), core.traffic.updates, replayed)
         elif start is not None:
             log.info("resumed from %s at version %d", resume, start.version)
-        elif store is not None:
+        elif isinstance(store, SqliteState):
             log.info("durable state in %s", store.path)
     except BaseException:
         if store is not None:

@@ -81,7 +81,20 @@ from murmura.server.pool import PoolState
 from murmura.server.publisher import Publisher
 from murmura.server.ratelimit import RateLimiter
 from murmura.server.recent import RecentMap
-from murmura.server.store import PendingUpdate, SpoolRef, StateStore, StoredState, fsync_dir
+from murmura.server.state import (
+    AggregatorState,
+    Consume,
+    DropPush,
+    EndSession,
+    PendingUpdate,
+    PublishVersion,
+    RecordPush,
+    SaveSession,
+    SpoolRef,
+    StoredState,
+    Touch,
+)
+from murmura.server.store import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +173,7 @@ class AggregatorCore:
                  recorder: RunRecorder | None = None,
                  checkpoint_path: str | Path | None = None,
                  start: Checkpoint | None = None,
-                 store: StateStore | None = None,
+                 store: AggregatorState | None = None,
                  stored: StoredState | None = None) -> None:
         spec.check_vector(initial)
         self.config = config
@@ -347,7 +360,7 @@ class AggregatorCore:
         """Write the final counters and close the durable state (if any)."""
         if self.store is not None:
             try:
-                self.store.submit(_no_op, counters=self.counters()).result(30)
+                self.store.submit(Touch(), counters=self.counters()).result(30)
             except Exception as exc:  # noqa: BLE001 - closing must go on
                 log.warning("could not write the final counters: %s", exc)
             self.store.close()
@@ -445,7 +458,7 @@ class AggregatorCore:
             del self._session_of[rec.client_id]
         self._left[session] = rec.client_id
         if self.store is not None:
-            self._durable(StateStore.op_leave(session))
+            self._durable(EndSession(session))
         self.policy.on_leave(rec)
         if forget:
             self.policy.forget(rec.client_id)
@@ -563,9 +576,8 @@ class AggregatorCore:
         self._session_of[client_id] = session
         self.last_durable = None
         if self.store is not None:
-            self._durable(StateStore.op_session(session, client_id, dataclasses.asdict(profile),
-                                                time.time(), public_key=public_key,
-                                                replaces=old))
+            self._durable(SaveSession(session, client_id, dataclasses.asdict(profile),
+                                      time.time(), public_key=public_key, replaces=old))
         log.info("client %s joined (%s)", client_id, profile.device)
         self._changed()
         return JoinResult(session=session, settings=self.config.train, mode=self.config.mode,
@@ -850,9 +862,8 @@ class AggregatorCore:
                 self._seq += 1
                 seq = self._seq
                 self._batch.append(seq)  # before accept: it may publish the version with it
-                fut = self._durable(self.store.op_push(seq, rec.client_id, header.update_id,
-                                                       _header_record(header), staleness,
-                                                       spooled))
+                fut = self._durable(RecordPush(seq, rec.client_id, header.update_id,
+                                               _header_record(header), staleness, spooled))
                 self._committing[key] = fut
                 fut.add_done_callback(lambda _: self._committing.pop(key, None))
             report = report_from_metrics(rec.client_id, header.metrics)
@@ -869,7 +880,7 @@ class AggregatorCore:
                 if seq:
                     self._batch.remove(seq)
                     self._committing.pop(key, None)
-                    self._durable(StateStore.op_drop(seq, rec.client_id, header.update_id))
+                    self._durable(DropPush(seq, rec.client_id, header.update_id))
                     self.last_durable = None
                 raise
         except ServiceError as exc:
@@ -917,7 +928,7 @@ class AggregatorCore:
                         sum(self.traffic.refused.values()))
             if wall - self._counters_at >= COUNTERS_EVERY_S and snapshot != self._counters_seen:
                 self._counters_at, self._counters_seen = wall, snapshot
-                self.store.submit(_no_op, counters=self.counters())
+                self.store.submit(Touch(), counters=self.counters())
 
     def add_download(self, nbytes: int) -> None:
         self.traffic.bytes_down += nbytes
@@ -997,7 +1008,7 @@ class AggregatorCore:
                 raise ValueError(f"{exc.message}; the version is dropped") from None
         except ValueError:
             if self.store is not None and seqs:  # its updates are spent: never replay them
-                self.store.submit(StateStore.op_consume(seqs), publishes=True)
+                self.store.submit(Consume(tuple(seqs)), publishes=True)
             raise
         t1 = time.perf_counter()
         self._pub_params = params
@@ -1048,7 +1059,7 @@ class AggregatorCore:
         name = f"{VERSIONS_DIR}/v{self._pub_version:08d}.npz"
         save_checkpoint(out / name, self._checkpoint(params, aggregator, row))
         self._crash_point("checkpoint_written")
-        fut = self.store.submit(StateStore.op_version(self._pub_version, row, name, seqs),
+        fut = self.store.submit(PublishVersion(self._pub_version, row, name, tuple(seqs)),
                                 counters=None, publishes=True)
         fut.add_done_callback(self._check_store)
         fut.result()  # the publisher waits; the event loop does not
@@ -1108,10 +1119,6 @@ def _header_record(header: UpdateHeader) -> dict[str, Any]:
 
 def _call_now(fn: Callable[[], object]) -> None:
     fn()
-
-
-def _no_op(_: Any) -> None:
-    pass
 
 
 def link_current(out: Path, name: str, current: Path) -> None:

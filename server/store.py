@@ -1,5 +1,6 @@
-"""Durable aggregator state: one SQLite database (WAL) and a payload spool, in the run's output
-directory, written by one store thread with group commit.
+"""Durable aggregator state (:class:`SqliteState`, the durable backend of
+:class:`~murmura.server.state.AggregatorState`): one SQLite database (WAL) and a payload spool,
+in the run's output directory, written by one store thread with group commit.
 
 What it keeps, so that a ``kill -9`` loses no acknowledged update and counts none twice:
 
@@ -32,13 +33,27 @@ import os
 import queue
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from murmura.server.futures import settle
+from murmura.server.state import (
+    AggregatorState,
+    Consume,
+    DropPush,
+    DuplicateUpdate,
+    EndSession,
+    Op,
+    PendingUpdate,
+    PublishVersion,
+    RecordPush,
+    SaveSession,
+    SpoolRef,
+    StoredState,
+    Touch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,64 +78,28 @@ CREATE TABLE IF NOT EXISTS versions (version INTEGER PRIMARY KEY, row TEXT NOT N
 """
 
 
-@dataclass(frozen=True)
-class SpoolRef:
-    """Where a payload lies in the spool: segment number, byte offset, length."""
-
-    segment: int
-    offset: int
-    length: int
-
-
-@dataclass
-class PendingUpdate:
-    seq: int
-    client_id: str
-    header: dict[str, Any]
-    staleness: int
-    ref: SpoolRef
-
-
-@dataclass
-class StoredState:
-    """What the store held when it was opened (read once at start-up)."""
-
-    version: int = 0
-    checkpoint: str = ""
-    counters: dict[str, Any] = field(default_factory=dict)
-    #: (session, client id, profile, joined_at, the Ed25519 key proven at Join or b"")
-    sessions: list[tuple[str, str, dict[str, Any], float, bytes]] = field(default_factory=list)
-    seen: list[tuple[str, str, int]] = field(default_factory=list)
-    pending: list[PendingUpdate] = field(default_factory=list)
-    rows: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not (self.version or self.sessions or self.seen or self.pending or self.counters)
-
-
-Op = Callable[[sqlite3.Connection], None]
-
 
 @dataclass
 class _Job:
-    op: Op | None                     # a database change (None: a spool write or a stop)
+    op: Op | None                     # a state operation (None: a spool write or a stop)
     counters: dict[str, Any] | None   # the counters as of this job (the newest is written)
     future: Future[Any]
     data: memoryview | None = None    # a payload to append to the spool
     publishes: bool = False           # a version commit: spool segments may be freed after
 
 
-class StateStore:
+class SqliteState(AggregatorState):
     """The durable state of one aggregator run in ``out_dir`` (see the module docstring)."""
 
+    durable = True
+
     def __init__(self, out_dir: str | Path, *, seen_limit: int = 100_000) -> None:
+        super().__init__(seen_limit=seen_limit)
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / DB_NAME
         self.spool_dir = self.dir / SPOOL_DIR
         self.spool_dir.mkdir(exist_ok=True)
-        self.seen_limit = seen_limit
         # One server per directory: a second one would interleave its state with ours. The
         # kernel drops the lock with the process, also on kill -9.
         self._lock_file = open(self.dir / LOCK_NAME, "a")  # noqa: SIM115
@@ -138,8 +117,6 @@ class StateStore:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
-        #: Tests: called on the store thread before each group commit (to hold one back).
-        self.before_commit: Callable[[], None] | None = None
         # The spool has its own writer thread, so payloads are copied out while the store
         # thread waits on an fsync or a commit. Only the writer appends and rotates segments;
         # _spool_lock guards what the store thread reads of them.
@@ -209,8 +186,8 @@ class StateStore:
 
     def submit(self, op: Op, *, counters: dict[str, Any] | None = None,
                publishes: bool = False) -> Future[None]:
-        """Run ``op(connection)`` in the next group commit; the future is done once it is on
-        disk (or holds the error; then nothing of its group was committed)."""
+        """Apply ``op`` in the next group commit; the future is done once it is on disk (or
+        holds the error; then nothing of its group was committed)."""
         return self._submit(_Job(op, counters, Future(), publishes=publishes))
 
     def _submit(self, job: _Job) -> Future[Any]:
@@ -224,68 +201,44 @@ class StateStore:
         self._jobs.put(job)
         return job.future
 
-    # -- operations (built on the caller's thread, run on the store thread) -------------------
+    # -- operations (run on the store thread, inside the group's transaction) -----------------
 
-    @staticmethod
-    def op_session(session: str, client_id: str, profile: dict[str, Any], joined_at: float,
-                   *, public_key: bytes = b"", replaces: str | None = None) -> Op:
-        def run(c: sqlite3.Connection) -> None:
-            if replaces:
-                c.execute("DELETE FROM sessions WHERE session = ?", (replaces,))
+    def _apply(self, c: sqlite3.Connection, op: Op) -> None:
+        if isinstance(op, SaveSession):
+            if op.replaces:
+                c.execute("DELETE FROM sessions WHERE session = ?", (op.replaces,))
             c.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?)",
-                      (session, client_id, json.dumps(profile), joined_at, public_key))
-        return run
-
-    @staticmethod
-    def op_leave(session: str) -> Op:
-        def run(c: sqlite3.Connection) -> None:
-            c.execute("DELETE FROM sessions WHERE session = ?", (session,))
-        return run
-
-    def op_push(self, seq: int, client_id: str, update_id: str, header: dict[str, Any],
-                staleness: int, ref: SpoolRef) -> Op:
-        limit = self.seen_limit
-
-        def run(c: sqlite3.Connection) -> None:
-            c.execute("INSERT INTO seen (client_id, update_id, staleness) VALUES (?, ?, ?)",
-                      (client_id, update_id, staleness))
+                      (op.session, op.client_id, json.dumps(op.profile), op.joined_at,
+                       op.public_key))
+        elif isinstance(op, EndSession):
+            c.execute("DELETE FROM sessions WHERE session = ?", (op.session,))
+        elif isinstance(op, RecordPush):
+            try:
+                c.execute("INSERT INTO seen (client_id, update_id, staleness) VALUES (?, ?, ?)",
+                          (op.client_id, op.update_id, op.staleness))
+            except sqlite3.IntegrityError:
+                raise DuplicateUpdate(f"update {op.update_id!r} of {op.client_id!r} is already "
+                                      "counted") from None
+            ref = op.ref
             c.execute("INSERT INTO pending VALUES (?, ?, ?, ?, ?, ?, ?)",
-                      (seq, client_id, json.dumps(header), staleness, ref.segment, ref.offset,
-                       ref.length))
-            c.execute("DELETE FROM seen WHERE n <= (SELECT MAX(n) FROM seen) - ?", (limit,))
-        return run
-
-    @staticmethod
-    def op_drop(seq: int, client_id: str, update_id: str) -> Op:
-        """Undo :meth:`op_push` of an update the policy refused after all."""
-        def run(c: sqlite3.Connection) -> None:
-            c.execute("DELETE FROM pending WHERE seq = ?", (seq,))
+                      (op.seq, op.client_id, json.dumps(op.header), op.staleness, ref.segment,
+                       ref.offset, ref.length))
+            c.execute("DELETE FROM seen WHERE n <= (SELECT MAX(n) FROM seen) - ?",
+                      (self.seen_limit,))
+        elif isinstance(op, DropPush):
+            c.execute("DELETE FROM pending WHERE seq = ?", (op.seq,))
             c.execute("DELETE FROM seen WHERE client_id = ? AND update_id = ?",
-                      (client_id, update_id))
-        return run
-
-    @staticmethod
-    def op_consume(seqs: Iterable[int]) -> Op:
-        """Forget pending updates whose aggregate was dropped (no version was made)."""
-        rows = [(s,) for s in seqs]
-
-        def run(c: sqlite3.Connection) -> None:
-            c.executemany("DELETE FROM pending WHERE seq = ?", rows)
-        return run
-
-    @staticmethod
-    def op_version(version: int, row: dict[str, Any], checkpoint: str,
-                   seqs: Iterable[int]) -> Op:
-        """Publish ``version``: its row, its checkpoint made current, its updates consumed."""
-        seqs = list(seqs)
-        text = json.dumps(row, sort_keys=True)
-
-        def run(c: sqlite3.Connection) -> None:
-            c.execute("INSERT INTO versions VALUES (?, ?, ?)", (version, text, checkpoint))
-            c.executemany("DELETE FROM pending WHERE seq = ?", [(s,) for s in seqs])
+                      (op.client_id, op.update_id))
+        elif isinstance(op, Consume):
+            c.executemany("DELETE FROM pending WHERE seq = ?", [(s,) for s in op.seqs])
+        elif isinstance(op, PublishVersion):
+            c.execute("INSERT INTO versions VALUES (?, ?, ?)",
+                      (op.version, json.dumps(op.row, sort_keys=True), op.checkpoint))
+            c.executemany("DELETE FROM pending WHERE seq = ?", [(s,) for s in op.seqs])
             c.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                          [("version", str(version)), ("checkpoint", checkpoint)])
-        return run
+                          [("version", str(op.version)), ("checkpoint", op.checkpoint)])
+        elif not isinstance(op, Touch):
+            raise TypeError(f"not a state operation: {op!r}")
 
     # -- the store thread ---------------------------------------------------------------------
 
@@ -375,7 +328,7 @@ class StateStore:
             try:
                 for job in jobs:
                     assert job.op is not None
-                    job.op(c)
+                    self._apply(c, job.op)
                 counters = next((j.counters for j in reversed(jobs) if j.counters is not None),
                                 None)
                 if counters is not None:
@@ -462,4 +415,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["DB_NAME", "PendingUpdate", "SpoolRef", "StateStore", "StoredState", "fsync_dir"]
+#: The name the durable backend had before the state interface; kept for callers.
+StateStore = SqliteState
+
+__all__ = ["DB_NAME", "PendingUpdate", "SpoolRef", "SqliteState", "StateStore", "StoredState",
+           "fsync_dir"]
