@@ -449,24 +449,9 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None, report: bool = 
     ``identity`` if given (else ``cfg``'s key, a fresh one, or its legacy client id)."""
     import torch
 
-    from murmura.client import (
-        ClientRuntime,
-        GrpcTransport,
-        RemoteError,
-        RetryPolicy,
-        SettingsTrainer,
-    )
-    from murmura.client.app import task_trainer, with_client_eval
-    from murmura.client.malicious import make_attack
-    from murmura.client.status import StatusTrainer
-    from murmura.edge import (
-        device_profile,
-        probe_micro_batch,
-        profile_device,
-        resolve_device,
-    )
+    from murmura.client import GrpcTransport, RemoteError
+    from murmura.client.build import build_client
     from murmura.protocols.tls import channel_credentials
-    from murmura.tasks import ArrayDataset, load_task
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -484,50 +469,7 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None, report: bool = 
         # within seconds; the runtime then retries until --give-up-after-s
         with contextlib.suppress(RemoteError):
             transport.connect()
-        device = resolve_device(cfg.device)
-        if cfg.memory_fraction and device.type == "cuda":  # one of several clients on a GPU
-            torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, device)
-        task = load_task(task_cfg)
-        attack = make_attack(cfg.attack, cfg.attack_options, seed=cfg.client_index)
-        data = task.client_data(cfg.client_index, cfg.num_clients)
-        if attack.data is not None:
-            data = attack.data(data)
-        # The server's settings (sent at join) choose first- or zeroth-order training per
-        # task; an app's own train function replaces both (client/app.py).
-        trainer = task_trainer(task, data, device=str(device), amp=cfg.amp)
-        profile = device_profile(device)
-        if isinstance(trainer, SettingsTrainer) and isinstance(data, ArrayDataset) and len(data):
-            micro = cfg.micro_batch
-            if not micro and device.type == "cuda":  # the most rows that fit the cap
-                try:
-                    micro = probe_micro_batch(trainer.model, torch.from_numpy(data.x[:16]),
-                                              torch.from_numpy(data.y[:16]), device=device)
-                except ValueError as exc:  # not one example's backward pass fits
-                    if cfg.trainer != "auto":
-                        raise
-                    log.warning("%s: training zeroth-order (lr %g) whatever the server asks",
-                                exc, cfg.zo_lr)
-                    trainer.train_zeroth_order_only(cfg.zo_lr)
-            trainer.first_order.micro_batch = micro
-            trainer.first_order.cuda_graph = cfg.cuda_graph
-            trainer.zeroth_order.cuda_graph = cfg.cuda_graph
-            if cfg.profile:  # a short timed warm-up: the server plans work from it
-                profile = profile_device(trainer.model, torch.from_numpy(data.x[:16]),
-                                         torch.from_numpy(data.y[:16]), device=trainer.device,
-                                         amp=cfg.amp)
-        if cfg.trainer == "zo":
-            if not isinstance(trainer, SettingsTrainer):
-                raise ValueError("--trainer zo needs Murmura's own trainer; this app defines "
-                                 "train()")
-            trainer.train_zeroth_order_only(cfg.zo_lr)
-        running = StatusTrainer(trainer, cfg.status_file) if cfg.status_file else trainer
-        running = with_client_eval(running, trainer, task, data, index=cfg.client_index,
-                                   num_clients=cfg.num_clients, seed=task_cfg.data_seed)
-        runtime = ClientRuntime(transport, running, client_id=cfg.client_id, identity=identity,
-                                profile=profile, token=cfg.token,
-                                codec=cfg.codec, wait_s=cfg.wait_s, update_hook=attack.update,
-                                retry=RetryPolicy(give_up_after_s=cfg.give_up_after_s),
-                                on_ack=_ack_logger(cfg.ack_log) if cfg.ack_log else None)
+        runtime = build_client(cfg, task_cfg, transport, identity=identity)
         log.info("client id %s", runtime.client_id)
         stats = runtime.run(max_tasks=cfg.max_tasks)
         if report:  # (murmura run's in-process clients would print one line each)
@@ -536,18 +478,6 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None, report: bool = 
         return stats
     finally:
         transport.close()
-
-
-def _ack_logger(path: str) -> Any:
-    """Append one JSON line per acknowledged update: id, version, staleness, duplicate."""
-    import json
-
-    def log_ack(update_id: str, reply: Any) -> None:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"update_id": update_id, "version": reply.version,
-                                "staleness": reply.staleness,
-                                "duplicate": reply.duplicate}) + "\n")
-    return log_ack
 
 
 def cmd_client(args: argparse.Namespace) -> int:
