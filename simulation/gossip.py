@@ -17,8 +17,9 @@ Two topologies of rounds:
 * ``modest``: a hash of (seed, round) samples ``sample_size`` trainers and ``aggregators``
   aggregators from the membership; trainers send their trained models to the round's
   aggregators, which average them (the configured rule) and send the result to the next
-  round's trainers (MoDeST, de Vos et al. 2023). A round none of whose aggregators is
-  online is lost and the next trainers continue from what they have.
+  round's trainers (MoDeST, de Vos et al. 2023), with the deployed peers' rules
+  (:mod:`murmura.gossip.modest_core`). A round none of whose aggregators is online is lost
+  and the next trainers continue from what they have.
 
 Failures: ``churn_per_round`` takes each peer offline for a round with that probability
 (hashed, reproducible); ``fail_fraction`` of the peers crash for good at ``fail_round``.
@@ -39,12 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from murmura.aggregation import create_aggregator
 from murmura.client.malicious import Attack
 from murmura.client.zo import SEED_CODEC, ZOTrainer
-from murmura.gossip import GossipConfig, PeerNode, modest_sample, training_seed
+from murmura.gossip import GossipConfig, PeerNode, training_seed
 from murmura.gossip.errors import ResourceExhausted
-from murmura.gossip.mixing import parse_options
+from murmura.gossip.modest_core import ModestPlan, merge
+from murmura.gossip.node import Received
 from murmura.gossip.topology import stable_hash
 from murmura.protocols import FlatVector, ModelSpec, PeerInfo, PeerModelHeader, serde
 from murmura.protocols.codecs import create_codec
@@ -221,6 +222,7 @@ class GossipSimulation:
         # (round, aggregators that hold it)
         self._has = np.zeros(n, dtype=np.int64)
         self._latest: tuple[int, list[int]] = (0, [])
+        self._plan = ModestPlan.from_config(gossip)
         self._attacker_model: FlatVector | None = None
         self._jitter_rng = np.random.default_rng([gossip.seed, 0x5B1])
         self._rng = random.Random(gossip.seed)
@@ -452,51 +454,42 @@ class GossipSimulation:
         return sum(sends.values()), self._round_time(live, sends)
 
     def _modest_round(self, round_: int, on: np.ndarray) -> tuple[int, float]:
-        g = self.gossip
+        """One MoDeST round, with the deployed peers' rules (:mod:`murmura.gossip.modest_core`):
+        the round's trainers train, every aggregator aggregates all of their models, and the
+        next round's trainers start from the mean of the aggregates."""
+        plan = self._plan
         # membership as a failure detector with one round of delay sees it: the peers that
         # took part in the previous round (every peer at the start)
         members = [self.ids[i] for i in range(len(self.nodes)) if self._was_online[i]]
         self._was_online = on.copy()
         # MoDeST replaces sampled peers that do not answer by the next ones in the hash
-        # ranking: the round's trainers and aggregators are the first online peers in it
-        def first_online(role: str, k: int, candidates: list[str], alive: np.ndarray
-                         ) -> list[int]:
-            ranked = modest_sample(round_ if role != "next" else round_ + 1, candidates,
-                                   len(candidates), seed=g.seed,
-                                   role="train" if role == "next" else role)
-            return [self.index[p] for p in ranked if alive[self.index[p]]][:k]
-
-        trainers = first_online("train", g.sample_size, members, on)
-        aggs = first_online("aggregate", g.aggregators, members, on)
-        live_trainers = [i for i in trainers if on[i]]
-        pulls = self._modest_fetch(live_trainers, on)
-        trained = self._train(live_trainers, round_)
-        sends = {i: sum(1 for a in aggs if a != i) for i in live_trainers}
-        models = [trained[i] for i in sorted(live_trainers)]
-        next_members = [self.ids[i] for i in range(len(self.nodes)) if on[i]]
-        nxt = first_online("next", g.sample_size, next_members, on)
+        # ranking: the plan samples from the members that are online, as a deployed peer
+        # samples from its view once the failed pushes have dropped the others
+        up = [p for p in members if on[self.index[p]]]
+        trainers = [self.index[p] for p in plan.trainers_of(round_, up)]
+        aggs = [self.index[p] for p in plan.aggregators_of(round_, up)]
+        pulls = self._modest_fetch(trainers, on)
+        trained = self._train(trainers, round_)
+        models = [Received(self.ids[i], round_, *trained[i]) for i in trainers]
+        sends = {i: sum(1 for a in aggs if a != i) for i in trainers}
+        online = [self.ids[i] for i in range(len(self.nodes)) if on[i]]
+        nxt = [self.index[p] for p in plan.trainers_of(round_ + 1, online)]
         results = []
-        for a in aggs:
-            if not on[a] or not models:
-                continue
-            agg = create_aggregator(g.rule, self.spec.size, **parse_options(g.rule_options))
-            for (m, n_ex), i in zip(models, sorted(live_trainers), strict=True):
-                agg.add(m, float(n_ex), client_id=self.ids[i])
-            model = agg.result().astype(np.float32)
+        for a in aggs if models else []:  # no trainer online: the round is lost
+            model = plan.aggregate(models, self.spec.size)  # each aggregator got them all
             self.nodes[a].model = model
-            results.append(model)
+            results.append(Received(self.ids[a], round_ + 1, model, 0))
             sends[a] = sends.get(a, 0) + sum(1 for t in nxt if t != a)
         if results:
-            merged = np.mean(np.stack(results), axis=0).astype(np.float32)
+            merged = merge(results)
             for t in nxt:
-                if on[t]:
-                    self.nodes[t].model = merged.copy()
-                    self._has[t] = round_ + 1
+                self.nodes[t].model = merged.copy()
+                self._has[t] = round_ + 1
             self._modest_model = merged
-            self._latest = (round_ + 1, [a for a in aggs if on[a]])
+            self._latest = (round_ + 1, aggs)
         for i in range(len(self.nodes)):
             self.nodes[i].round = round_ + 1
-        return sum(sends.values()) + pulls, self._round_time(live_trainers + aggs, sends)
+        return sum(sends.values()) + pulls, self._round_time(trainers + aggs, sends)
 
     def _modest_fetch(self, trainers: list[int], on: np.ndarray) -> int:
         """A trainer whose model is older than the latest aggregate pulls it from one of the
