@@ -1,6 +1,7 @@
 """The client runtime: trainers, the transport to the aggregator, and the retrying loop."""
 
 from murmura.client.config import ClientConfig
+from murmura.client.retry import Backoff, RetryPolicy, jitter_rng
 from murmura.client.rules import (
     UpdateIds,
     after_refusal,
@@ -8,12 +9,13 @@ from murmura.client.rules import (
     encoder_seed,
     make_encoder,
 )
-from murmura.client.runtime import ClientRuntime, ClientStats, RetryPolicy
+from murmura.client.runtime import ClientRuntime, ClientStats
 from murmura.client.trainer import FunctionTrainer, TorchTrainer, Trainer, TrainResult, delta_of
 from murmura.client.transport import GrpcTransport, RemoteError, Transport
 from murmura.client.zo import SettingsTrainer, ZOTrainer, make_trainer
 
 __all__ = [
+    "Backoff",
     "ClientConfig",
     "ClientRuntime",
     "ClientStats",
@@ -32,6 +34,7 @@ __all__ = [
     "codec_choice",
     "delta_of",
     "encoder_seed",
+    "jitter_rng",
     "make_encoder",
     "make_trainer",
 ]

@@ -10,7 +10,9 @@ a refusal exactly as a deployed one does:
   encodes with, with which options, and how its encoder's randomness is seeded;
 * :class:`UpdateIds`: update ids, 12 characters (the length the simulator's wire budget and
   the benchmarks' byte counts assume), random by default and reproducible from a seed;
-* :func:`after_refusal`: what to do when the aggregator refuses a request.
+* :func:`after_refusal`: what to do when the aggregator refuses a request; how long to wait
+  before a retry, and when to give up, is :class:`~murmura.client.retry.RetryPolicy`'s (the
+  gossip peers back off with it too).
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ def after_refusal(status: str, retry_after_s: float | None = None) -> RefusalAct
     * ``"rejoin"``: the session is gone (``UNAUTHENTICATED``: the server restarted, or the
       client had left): join again, then send the same request again with the new session;
     * ``"retry"``: the server is away or overloaded (:data:`RETRYABLE` statuses): send the same
-      request again after a backoff, until the retry policy gives up;
+      request again after a :class:`~murmura.client.retry.RetryPolicy` pause, until it
+      gives up;
     * ``"next_task"``: the request can't succeed as sent (a stale or malformed update, a
       finished run...): drop the work in hand and ask for the next task.
     """

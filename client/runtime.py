@@ -1,15 +1,15 @@
 """The client loop: join, ask for a task, pull, train, encode, push, repeat.
 
-It survives the server going away: retryable failures back off exponentially (seeded jitter)
-and resume when the server is back; a lost session (server restarted) re-joins; a retried push
-keeps its update id, so the server counts it once.
+It survives the server going away: retryable failures back off as
+:class:`~murmura.client.retry.RetryPolicy` says (exponential, seeded jitter, at least the
+server's retry hint) and resume when the server is back; a lost session (server restarted)
+re-joins; a retried push keeps its update id, so the server counts it once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from murmura.client.retry import RetryPolicy, jitter_rng
 from murmura.client.rules import (
     UpdateIds,
     after_refusal,
@@ -47,23 +48,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 UpdateHook = Callable[[FlatVector], FlatVector]
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Exponential backoff with jitter; give up after ``give_up_after_s`` without success."""
-
-    initial_s: float = 0.2
-    max_s: float = 5.0
-    multiplier: float = 2.0
-    jitter: float = 0.2
-    give_up_after_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        if not (0 < self.initial_s <= self.max_s and self.multiplier >= 1 and 0 <= self.jitter < 1
-                and self.give_up_after_s >= 0):
-            raise ValueError("retry policy needs 0 < initial_s <= max_s, multiplier >= 1, "
-                             "0 <= jitter < 1 and give_up_after_s >= 0")
 
 
 @dataclass
@@ -135,7 +119,7 @@ class ClientRuntime:
         self.settings: TaskSettings | None = None
         self.spec: ModelSpec | None = None
         self._encoder: Encoder | None = None
-        self._rand = random.Random(client_id)
+        self._rand = jitter_rng(client_id)  # the backoff's jitter
         self._pool: SeedPool | None = None
         self._pool_base: tuple[int, FlatVector] | None = None  # (base_version, base)
 
@@ -165,7 +149,7 @@ class ClientRuntime:
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` with backoff on retryable errors and a re-join on a lost session."""
-        delay, started = self.retry.initial_s, self.clock()
+        backoff = self.retry.start(self.clock(), self._rand)
         while True:
             try:
                 return fn()
@@ -178,15 +162,13 @@ class ClientRuntime:
                     fn_join: Callable[[], None] = self._join
                     self._call(fn_join)
                     continue
-                if action != "retry" or self.clock() - started > self.retry.give_up_after_s:
+                pause = (backoff.next_pause(self.clock(), exc.retry_after_s)
+                         if action == "retry" else None)
+                if pause is None:
                     raise
                 self.stats.retries += 1
-                pause = delay * (1 + self.retry.jitter * (2 * self._rand.random() - 1))
-                if exc.retry_after_s is not None:  # the server is busy: back off as it asks
-                    pause = max(pause, exc.retry_after_s)
                 log.info("%s: %s; retrying in %.2fs", self.client_id, exc.status, pause)
                 self.sleep(pause)
-                delay = min(delay * self.retry.multiplier, self.retry.max_s)
 
     # -- the loop -----------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ contacts this peer itself (or comes back at a new address).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import secrets
@@ -112,6 +113,9 @@ class PeerRuntime(PeerHandler):
         self.bootstrap = [b for b in bootstrap if b]
         self.catch_up = catch_up
         self.retry = retry or RetryPolicy(initial_s=0.05, max_s=1.0, give_up_after_s=30.0)
+        #: A model send gives up within a round's wait (the neighbours mix without it then).
+        self._send_retry = dataclasses.replace(
+            self.retry, give_up_after_s=max(self.config.round_timeout_s, 0.5))
         self.on_round, self.update_hook, self.clock = on_round, update_hook, clock
         self.spec: ModelSpec = trainer.spec
         if model is None:
@@ -131,6 +135,8 @@ class PeerRuntime(PeerHandler):
         self._stop = threading.Event()
         self._training = False
         self._rand = random.Random(f"{peer_id}:{self.config.seed}")
+        # the backoffs' jitter: its own stream, so a retry (timing) never moves the shuffles'
+        self._jitter = random.Random(f"backoff:{peer_id}:{self.config.seed}")
         self._sender = ThreadPoolExecutor(max(4, 2 * self.config.fanout_for(
             self.config.view_size)), thread_name_prefix=f"send-{peer_id}")
         self._started = 0.0
@@ -205,8 +211,9 @@ class PeerRuntime(PeerHandler):
         if not self.bootstrap:
             return
         joined = False
-        delay, started = self.retry.initial_s, self.clock()
+        backoff = self.retry.start(self.clock(), self._jitter)
         while not joined:
+            hints: list[float] = []  # the busy bootstrap peers' retry hints
             for address in self.bootstrap:
                 try:
                     me = self.node.me()
@@ -216,18 +223,22 @@ class PeerRuntime(PeerHandler):
                 except RemoteError as exc:
                     if not exc.retryable:
                         raise
+                    if exc.retry_after_s is not None:
+                        hints.append(exc.retry_after_s)
                     continue
                 with self._lock:
                     self.node.merge([PeerInfo(sender.peer_id, address, sender.round, 0),
                                      *peers])
                 joined = True
             if not joined:
-                if self.clock() - started > self.retry.give_up_after_s:
+                # the soonest a busy bootstrap peer asked for; none when one was simply away
+                hint = min(hints) if len(hints) == len(self.bootstrap) else None
+                pause = backoff.next_pause(self.clock(), hint)
+                if pause is None:
                     raise RemoteError("UNAVAILABLE", f"no bootstrap peer answered: "
                                                      f"{', '.join(self.bootstrap)[:80]}")
                 self.stats.retries += 1
-                self._stop.wait(delay)
-                delay = min(delay * self.retry.multiplier, self.retry.max_s)
+                self._stop.wait(pause)
         if self.catch_up:
             self._catch_up()
 
@@ -378,15 +389,16 @@ class PeerRuntime(PeerHandler):
                                  signature=self._sign("push", me, *_push_fields(
                                      message_id, round_, num_examples, codec,
                                      self.node.fingerprint, payload, kind)), kind=kind)
-        delay, started = self.retry.initial_s, self.clock()
-        budget = max(self.config.round_timeout_s, 0.5)
+        backoff = self._send_retry.start(self.clock(), self._jitter)
         while not self._stop.is_set():
             try:
                 self.transport.push_model(address, header, payload)
                 self.stats.sent += 1
                 return True
             except RemoteError as exc:
-                if not exc.retryable or self.clock() - started + delay > budget:
+                pause = backoff.next_pause(self.clock(), exc.retry_after_s) if exc.retryable \
+                    else None
+                if pause is None:
                     log.info("%s: sending round %d to %s failed: %s", self.peer_id, round_,
                              target, exc)
                     self.stats.send_failures += 1
@@ -397,8 +409,7 @@ class PeerRuntime(PeerHandler):
                         log.warning("%s refused our model: %s", target, exc)
                     return False
                 self.stats.retries += 1
-                self._stop.wait(delay * (1 + 0.2 * (2 * self._rand.random() - 1)))
-                delay = min(delay * self.retry.multiplier, self.retry.max_s)
+                self._stop.wait(pause)
         return False
 
     def _mark_dead(self, peer_id: str, address: str) -> None:

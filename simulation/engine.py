@@ -14,8 +14,9 @@ happen on its device and link:
 * going offline loses the work in progress; coming back online joins again;
 * a refused request is handled as :class:`~murmura.client.ClientRuntime` handles it
   (:func:`~murmura.client.rules.after_refusal`): re-join and send it again, retry it after
-  the retry policy's backoff (without jitter, so reruns are identical), or drop the work and
-  ask for the next task.
+  the :class:`~murmura.client.RetryPolicy` pause (jitter drawn from the client's own stream,
+  :func:`~murmura.client.jitter_rng`, so reruns are identical; at least the server's retry
+  hint) scheduled in virtual time, or drop the work and ask for the next task.
 
 Encoders, update ids and refusals follow :mod:`murmura.client.rules`, as the client runtime
 does. Malicious clients run the attacks a deployed malicious client runs
@@ -40,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import random
 import time
 from array import array
 from collections import Counter
@@ -51,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from murmura.client import RetryPolicy, delta_of
+from murmura.client import Backoff, RetryPolicy, delta_of, jitter_rng
 from murmura.client.malicious import Attack
 from murmura.client.rules import UpdateIds, after_refusal, codec_choice, make_encoder
 from murmura.protocols import (
@@ -224,10 +226,11 @@ class Simulation:
         self._sig: tuple[Any, ...] = ()
         self._started = False
         self._update_ids = UpdateIds(seed=server.seed)  # reproducible, 12 characters
-        # refusal state, touched only after a refusal: resumed request after a re-join,
-        # (first refusal time, attempts) while retrying
+        # refusal state, touched only after a refusal: resumed request after a re-join, the
+        # backoff of a request being retried, each retried client's jitter stream
         self._resume: dict[int, int] = {}
-        self._retrying: dict[int, tuple[float, int]] = {}
+        self._retrying: dict[int, Backoff] = {}
+        self._jitter: dict[int, random.Random] = {}
         self.gave_up = 0
         self._last_version = self.core.version
         self.rows: list[dict[str, Any]] = []
@@ -482,11 +485,14 @@ class Simulation:
         action = after_refusal(exc.status, exc.retry_after_s)
         now = self.clock.now
         if action == "retry":
-            first, attempts = self._retrying.get(c, (now, 0))
-            if now - first <= self.retry.give_up_after_s:
-                self._retrying[c] = (first, attempts + 1)
-                pause = min(self.retry.initial_s * self.retry.multiplier ** attempts,
-                            self.retry.max_s)
+            backoff = self._retrying.get(c)
+            if backoff is None:
+                rng = self._jitter.get(c)
+                if rng is None:  # as the deployed client of this id draws its jitter
+                    rng = self._jitter[c] = jitter_rng(self.ids[c])
+                backoff = self._retrying[c] = self.retry.start(now, rng)
+            pause = backoff.next_pause(now, exc.retry_after_s)
+            if pause is not None:
                 self._schedule(now + pause, kind, c)  # the same request again
                 return
         elif action == "rejoin" and kind != _JOIN and self.sessions[c]:

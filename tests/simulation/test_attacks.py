@@ -221,8 +221,9 @@ def test_a_retryable_refusal_sends_the_same_push_after_the_backoff() -> None:
     engine.core.push = push  # type: ignore[method-assign]
     # Execute
     engine.run()
-    # Assert: the same update id again, one backoff (RetryPolicy().initial_s) later
+    # Assert: the same update id again, one backoff later (RetryPolicy().initial_s, jittered)
     mine = [(t, uid) for t, cid, uid in pushes if cid == engine.ids[0]]
     assert mine[1][1] == mine[0][1]
-    assert mine[1][0] == pytest.approx(failed[0] + engine.retry.initial_s)
+    jitter = engine.retry.initial_s * engine.retry.jitter
+    assert mine[1][0] - failed[0] == pytest.approx(engine.retry.initial_s, abs=jitter)
     assert engine.refused["UNAVAILABLE"] == 1 and engine.gave_up == 0
