@@ -1,5 +1,6 @@
 """The client runtime: trainers, the transport to the aggregator, and the retrying loop."""
 
+from murmura.client.build import build_client
 from murmura.client.config import ClientConfig
 from murmura.client.retry import Backoff, RetryPolicy, jitter_rng
 from murmura.client.rules import (
@@ -31,6 +32,7 @@ __all__ = [
     "UpdateIds",
     "ZOTrainer",
     "after_refusal",
+    "build_client",
     "codec_choice",
     "delta_of",
     "encoder_seed",
