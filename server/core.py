@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -95,6 +95,9 @@ from murmura.server.state import (
     Touch,
 )
 from murmura.server.store import fsync_dir
+
+if TYPE_CHECKING:
+    from murmura.server.pipeline import PushPipeline
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +249,7 @@ class AggregatorCore:
         self._counters_seen: tuple[int, int, int] = (0, 0, 0)
         #: Tests: called with the name of each step of a durable publish (to inject a crash).
         self.crash_hook: Callable[[str], None] | None = None
+        self._pipeline: PushPipeline | None = None
         elapsed = 0.0
         if stored is not None:
             elapsed = self._restore(stored)
@@ -688,31 +692,20 @@ class AggregatorCore:
 
     def push(self, header: UpdateHeader, payload: bytes | memoryview, *,
              wire_bytes: int = 0) -> PushResult:
-        """Validate, decode (inline) and hand one update to the policy; refuse with a
-        ServiceError."""
-        self.last_durable = None
-        rec, duplicate = self.begin_push(header, len(payload), wire_bytes=wire_bytes)
-        if duplicate is not None:
-            if self.last_durable is not None:
-                self.last_durable.result()
-            return duplicate
-        try:
-            decoded = self.decoder.decode(header.codec, payload,
-                                          reference=self.reference_for(header))
-            spooled = (self.store.spool(bytes(payload)).result()
-                       if self.store is not None else None)
-        except BaseException as exc:
-            self.abort_push(header, exc)
-            raise
-        # nothing ran between begin_push and here (the core has one owner thread), so the
-        # client's record is still the one begin_push found
-        result = self.finish_push(header, decoded, spooled=spooled, rec=rec)
-        if self.last_durable is not None:
-            try:
-                self.last_durable.result()
-            except Exception as exc:
-                raise Unavailable(f"the update could not be made durable: {exc}") from None
-        return result
+        """One update through the push pipeline on this thread, with the in-process tier
+        (:meth:`murmura.server.pipeline.PushPipeline.push`); refuses with a ServiceError."""
+        return self.pipeline.push(header, payload, wire_bytes=wire_bytes)
+
+    @property
+    def pipeline(self) -> PushPipeline:
+        """The push pipeline of callers without a server of their own (the simulator, the
+        in-memory transport, tests): the steps every push takes, decoding in-process."""
+        if self._pipeline is None:
+            from murmura.server.pipeline import PushPipeline
+            from murmura.server.tier import Tier
+
+            self._pipeline = PushPipeline(self, Tier(self.config, self.decoder))
+        return self._pipeline
 
     def precheck(self, header: UpdateHeader) -> ClientRecord:
         """Checks that need only the header, so a transport can refuse before the payload.

@@ -24,6 +24,7 @@ from murmura.server.core import AggregatorCore
 from murmura.server.errors import InvalidArgument, ServiceError, Unavailable
 from murmura.server.futures import wait_for_thread
 from murmura.server.limits import MAX_TEXT, check_number, check_text
+from murmura.server.pipeline import PushPipeline
 from murmura.server.slabs import Slab
 from murmura.server.tier import Tier
 
@@ -75,6 +76,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.chunk_bytes = chunk_bytes
         #: Where payloads land and who decodes them (in-process unless a tier is given).
         self.tier = tier or Tier(dataclasses.replace(core.config, workers=0), core.decoder)
+        #: The steps every push takes (server/pipeline.py); this servicer lands the stream.
+        self.pipeline = PushPipeline(core, self.tier)
         self._event: asyncio.Event | None = None
         self.log_limit = LogLimiter()
         #: Tests: called with the name of each await point (AWAIT_POINTS) just before the
@@ -216,10 +219,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                         raise InvalidArgument("the first chunk of a push must be its header")
                     wire += item.ByteSize()
                     header = serde.update_header_from_proto(item.header)
-                    core.precheck(header)  # refuse before receiving a payload
+                    self.pipeline.precheck(header)  # refuse before receiving a payload
                     # Copy each chunk in as it arrives, overlapping the transfer, into a buffer
                     # whose pages are already mapped (a fresh one faults on every page).
-                    lease = tier.receive(header.payload_bytes)
+                    lease = self.pipeline.receive(header.payload_bytes)
                 elif kind == "data":
                     data = item if isinstance(item, memoryview) else memoryview(item.data)
                     end = received + len(data)
@@ -238,62 +241,9 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 raise InvalidArgument(f"header announced {header.payload_bytes} payload bytes, "
                                       f"the stream carried {received}")
             assert lease is not None
-            core.last_durable = None
-            _, duplicate = core.begin_push(header, received, wire_bytes=wire)
-            if duplicate is not None:
-                self._at("push.duplicate")
-                await _durable(core.last_durable, "the update")
-                return serde.push_result_to_proto(duplicate)
-            taken, lease = lease, None  # the tier owns it now, also when decoding fails
-            spooling = None
-            if core.store is not None:
-                # The payload goes to the spool (store thread) while it is decoded.
-                spooling = core.store.spool(taken.view if isinstance(taken, ReceiveBuffer)
-                                            else taken.buf[:received])
-            try:
-                self._at("push.decode")
-                decoded, release = await tier.decode(header, taken, core.reference_for(header),
-                                                     header.base_version)
-            except BaseException as exc:
-                core.abort_push(header, exc)
-                raise
-            spooled = None
-            if spooling is not None:
-                try:  # the buffer must outlive the spool write: the fold may release it
-                    self._at("push.spool")
-                    spooled = await wait_for_thread(spooling)
-                except BaseException as exc:  # disk full or failing, or the client went away
-                    release()
-                    if not isinstance(exc, Exception):  # cancelled: forget the update
-                        core.abort_push(header, exc)
-                        raise
-                    err = Unavailable(f"the update could not be spooled: {exc}"[:200])
-                    core.abort_push(header, err)
-                    raise err from None
-            if context.cancelled():  # the client gave up: it must not count (it may retry)
-                if release is not None:
-                    release()
-                core.abort_push(header, asyncio.CancelledError())
-                raise asyncio.CancelledError()
-            publishes = core.publishes
-            result = core.finish_push(header, decoded, release=release, spooled=spooled)
-            del decoded, release  # the fold releases the buffers once nothing holds them
-            # Acknowledged only once durable (a group commit on the store thread). From here
-            # on the update is taken: a cancelled call leaves it to be committed and applied,
-            # and the client's retry is answered as a duplicate.
-            self._at("push.durable")
-            await _durable(core.last_durable, "the update")
-            if core.publishes != publishes and core.last_publish is not None:
-                # This update completed a version: answer once it is out (the loop stays free
-                # meanwhile), so the reply names the version that includes it.
-                try:
-                    self._at("push.publish")
-                    await wait_for_thread(core.last_publish)
-                except Exception:  # noqa: BLE001 - logged by the core; the update was taken
-                    pass
-                self._at("push.install")
-                await asyncio.sleep(0)  # let the install scheduled before us run
-                result = dataclasses.replace(result, version=core.version)
+            taken, lease = lease, None  # the pipeline owns it now, also when decoding fails
+            result = await self.pipeline.complete(header, taken, received, wire,
+                                                  cancelled=context.cancelled, at=self._at)
         except ServiceError as exc:
             self.log_limit.log(exc.status, "push refused: %s %s", exc.status, exc.message)
             await self._abort(context, exc)

@@ -218,29 +218,9 @@ class Tier:
 
         The lease belongs to the tier from here on, also when decoding fails.
         """
-        t0 = time.perf_counter()
         if self.backend is None:
-            assert isinstance(lease, ReceiveBuffer)
-            post, buffers, outputs = self.post, self.buffers, self.outputs
-            out_lease = self._inline_output(header.codec)
-            try:
-                decoded = self.decoder.decode(
-                    header.codec, lease.view, reference=reference,
-                    out=None if out_lease is None else out_lease.floats(self.decoder.size))
-            except BaseException:
-                buffers.release(lease)
-                if out_lease is not None:
-                    outputs.release(out_lease)
-                raise
-            self._count(t0)
-
-            def release() -> None:
-                def run() -> None:
-                    buffers.release(lease)
-                    if out_lease is not None:
-                        outputs.release(out_lease)
-                post(run)
-            return decoded, release
+            return self.decode_inline(header, lease, reference)
+        t0 = time.perf_counter()
         assert isinstance(lease, Slab) and self.slabs is not None
         slabs = self.slabs
         payload = lease.buf[:header.payload_bytes]
@@ -302,6 +282,35 @@ class Tier:
                 self._drop_reference_user(reference_version)
         self._count(t0)
         return self._rebuild(meta, lease, out, header.payload_bytes), release_both
+
+    def decode_inline(self, header: UpdateHeader, lease: ReceiveBuffer | Slab,
+                      reference: FlatVector | None) -> tuple[Decoded, Callable[[], None]]:
+        """:meth:`decode` on the calling thread (``workers = 0``: no backend); synchronous, so
+        a caller without an event loop (the simulator, the in-memory transport) runs the
+        same decode as the servicer does."""
+        if self.backend is not None or not isinstance(lease, ReceiveBuffer):
+            raise RuntimeError("an inline decode needs the in-process tier (workers = 0)")
+        t0 = time.perf_counter()
+        post, buffers, outputs = self.post, self.buffers, self.outputs
+        out_lease = self._inline_output(header.codec)
+        try:
+            decoded = self.decoder.decode(
+                header.codec, lease.view, reference=reference,
+                out=None if out_lease is None else out_lease.floats(self.decoder.size))
+        except BaseException:
+            buffers.release(lease)
+            if out_lease is not None:
+                outputs.release(out_lease)
+            raise
+        self._count(t0)
+
+        def release() -> None:
+            def run() -> None:
+                buffers.release(lease)
+                if out_lease is not None:
+                    outputs.release(out_lease)
+            post(run)
+        return decoded, release
 
     def _count(self, t0: float) -> None:
         self.decoded += 1

@@ -557,9 +557,9 @@ class Simulation:
         flight = self.flights[c]
         assert flight.header is not None and flight.payload is not None
         try:
-            self.core.precheck(flight.header)  # the servicer refuses on the header alone
-            result = self.core.push(flight.header, memoryview(flight.payload),
-                                    wire_bytes=flight.wire)
+            # the push pipeline's steps, as the servicer runs them with the in-process tier
+            result = self.core.pipeline.push(flight.header, memoryview(flight.payload),
+                                             wire_bytes=flight.wire)
         except ServiceError as exc:
             self._refused(c, exc, _PUSH)  # a retry or a re-join keeps the flight
             return

@@ -124,9 +124,8 @@ class InMemoryTransport(Transport):
         core = self.aggregator.core
         wire = update_wire_bytes(header, self.aggregator.chunk_bytes)
 
-        def push() -> PushResult:
-            core.precheck(header)  # as the servicer does before it reads the payload
-            return core.push(header, memoryview(payload), wire_bytes=wire)
+        def push() -> PushResult:  # the push pipeline's steps, as the servicer runs them
+            return core.pipeline.push(header, memoryview(payload), wire_bytes=wire)
 
         result = self.aggregator.call(push)
         self._bytes_up += wire

@@ -165,7 +165,7 @@ def _refuse_first_push(engine: Simulation, error: Exception) -> tuple[list, list
     id) of every push and the time of the refusal."""
     pushes: list[tuple[float, str, str]] = []
     refused: list[float] = []
-    core_push = engine.core.push
+    core_push = engine.core.pipeline.push
 
     def push(header, payload, **kw):
         client = engine.core._record(header.session).client_id
@@ -175,7 +175,7 @@ def _refuse_first_push(engine: Simulation, error: Exception) -> tuple[list, list
             raise error
         return core_push(header, payload, **kw)
 
-    engine.core.push = push  # type: ignore[method-assign]
+    engine.core.pipeline.push = push  # type: ignore[method-assign]
     return pushes, refused
 
 

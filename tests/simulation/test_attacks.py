@@ -207,7 +207,7 @@ def test_a_retryable_refusal_sends_the_same_push_after_the_backoff() -> None:
     # Prepare: the server is briefly unavailable for client 0's first push
     engine = _engine("async", clients=2, versions=4)
     pushes: list[tuple[float, str, str]] = []
-    core_push = engine.core.push
+    core_push = engine.core.pipeline.push
     failed: list[float] = []
 
     def push(header, payload, **kw):
@@ -218,7 +218,7 @@ def test_a_retryable_refusal_sends_the_same_push_after_the_backoff() -> None:
             raise Unavailable("restarting")
         return core_push(header, payload, **kw)
 
-    engine.core.push = push  # type: ignore[method-assign]
+    engine.core.pipeline.push = push  # type: ignore[method-assign]
     # Execute
     engine.run()
     # Assert: the same update id again, one backoff later (RetryPolicy().initial_s, jittered)
