@@ -206,7 +206,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         header = None
         lease: ReceiveBuffer | Slab | None = None
         received = wire = 0
-        tier, core = self.tier, self.core
+        tier = self.tier
         try:
             self._at("push.receive")
             async for item in request_iterator:
