@@ -942,7 +942,7 @@ class AggregatorCore:
 
         def run() -> None:
             try:
-                with one_torch_thread():  # a memory-bound fold is fastest on one core
+                with one_torch_thread(self.update_size):  # a memory-bound fold: one core
                     fn(box.pop(), *args, **kwargs)
             finally:
                 if release is not None:

@@ -17,7 +17,8 @@ transport, from the simulator's virtual clients, a test or a benchmark:
    out, so the reply names it).
 
 :meth:`PushPipeline.push` runs them on the caller's thread with the in-process tier
-(``workers = 0``): the simulator, the in-memory transport, tests and benchmarks. The gRPC
+(``workers = 0``): the simulator, the in-memory transport, tests and benchmarks. Its payload is
+all there already, so it lands it after *begin* (a duplicate is then never copied). The gRPC
 servicer receives the stream itself (step 2 happens as chunks arrive) and then awaits
 :meth:`PushPipeline.complete`, the same steps with the decode awaited on the tier's
 backend. Nothing else calls the core's push steps (``begin_push``, ``finish_push``,
@@ -74,27 +75,25 @@ class PushPipeline:
                                   f"the push carried {len(payload)}")
             core.count_refusal(exc)
             raise exc
-        lease = tier.receive(len(payload))
-        try:
-            tier.write(lease, 0, memoryview(payload).cast("B"))
-            duplicate = self._begin(header, len(payload), wire_bytes)
-        except BaseException:
-            tier.discard(lease)
-            raise
+        core.last_durable = None
+        rec, duplicate = core.begin_push(header, len(payload), wire_bytes=wire_bytes)
         if duplicate is not None:
-            tier.discard(lease)
             _wait(core.last_durable, "the update")
             return duplicate
-        spooling = self._spool(lease, len(payload))
-        try:  # the tier owns the lease from here on, also when decoding fails
-            decoded, release = tier.decode_inline(header, lease, core.reference_for(header))
+        state = core.store
+        spooling = state.spool(payload) if state is not None else None
+        try:  # landed in the tier's buffer and decoded there, as a network push is
+            decoded, release = tier.decode_payload(header, payload, core.reference_for(header))
         except BaseException as exc:
             core.abort_push(header, exc)
             raise
-        spooled = self._spooled(header, spooling, release, lambda fut: fut.result())
-        result = core.finish_push(header, decoded, release=release, spooled=spooled)
+        spooled = None if spooling is None else \
+            self._spooled(header, spooling, release, lambda fut: fut.result())
+        # nothing ran since begin_push on this thread: the client's record is the one it found
+        result = core.finish_push(header, decoded, release=release, spooled=spooled, rec=rec)
         del decoded, release  # the fold releases the buffers once nothing holds them
-        _wait(core.last_durable, "the update")
+        if core.last_durable is not None:
+            _wait(core.last_durable, "the update")
         return result
 
     # -- the asynchronous driver (the gRPC servicer) ---------------------------------------

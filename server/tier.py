@@ -312,6 +312,29 @@ class Tier:
             post(run)
         return decoded, release
 
+    def decode_payload(self, header: UpdateHeader, payload: bytes | memoryview,
+                       reference: FlatVector | None) -> tuple[Decoded, Callable[[], None]]:
+        """Land an in-process caller's payload and decode it on this thread (in-process tier).
+
+        A payload too small for the pooled receive buffers lands in a private writable copy
+        (what :meth:`receive` would allocate for it), with nothing to give back afterwards;
+        a larger one goes through a pooled buffer, as a network push's does."""
+        if len(payload) < self.buffers.min_bytes and self._inline_output(header.codec) is None:
+            if self.backend is not None:
+                raise RuntimeError("an inline decode needs the in-process tier (workers = 0)")
+            t0 = time.perf_counter()
+            decoded = self.decoder.decode(header.codec, memoryview(bytearray(payload)),
+                                          reference=reference)
+            self._count(t0)
+            return decoded, _nothing_to_release
+        lease = self.receive(len(payload))
+        try:
+            self.write(lease, 0, memoryview(payload).cast("B"))
+        except BaseException:
+            self.discard(lease)
+            raise
+        return self.decode_inline(header, lease, reference)
+
     def _count(self, t0: float) -> None:
         self.decoded += 1
         self.decode_s += time.perf_counter() - t0
@@ -385,6 +408,10 @@ class Tier:
         if self.slabs is not None:
             self._references.clear()
             self.slabs.close()
+
+
+def _nothing_to_release() -> None:
+    pass
 
 
 __all__ = ["RETRY_AFTER_S", "DecodedMeta", "Tier", "decode_job", "output_nbytes"]

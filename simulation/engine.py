@@ -124,7 +124,7 @@ class _Flight:
     steps: int = 0                        # the server's assignment; 0: the settings' own
     version: int = -1
     params: FlatVector | None = None      # the global vector it trains from (shared)
-    payload: bytearray | None = None
+    payload: bytes | None = None
     num_examples: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     header: UpdateHeader | None = None
@@ -558,7 +558,7 @@ class Simulation:
         assert flight.header is not None and flight.payload is not None
         try:
             # the push pipeline's steps, as the servicer runs them with the in-process tier
-            result = self.core.pipeline.push(flight.header, memoryview(flight.payload),
+            result = self.core.pipeline.push(flight.header, flight.payload,
                                              wire_bytes=flight.wire)
         except ServiceError as exc:
             self._refused(c, exc, _PUSH)  # a retry or a re-join keeps the flight
@@ -601,8 +601,8 @@ class Simulation:
         for c, job, r in zip(clients, jobs, results, strict=True):
             flight = self.flights[c]
             update = delta_of(r.params, job.params)
-            # a writable buffer, as the gRPC servicer hands the core (memoryview of a bytearray)
-            flight.payload = bytearray(self._encoder(c).encode(update))
+            # the push pipeline lands it in a receive buffer, as the gRPC servicer does
+            flight.payload = self._encoder(c).encode(update)
             flight.num_examples = r.num_examples
             flight.metrics = dict(r.metrics)
             flight.params = None  # the global vector is no longer needed by this client
@@ -653,7 +653,7 @@ class Simulation:
                 updates[position[c]] = check_update(u, size, c, "update_hook")
         for c, r, update in zip(clients, results, updates, strict=True):
             flight = self.flights[c]
-            flight.payload = bytearray(self._encoder(c).encode(update))
+            flight.payload = self._encoder(c).encode(update)
             flight.num_examples = r.num_examples
             flight.metrics = dict(r.metrics)
             flight.params = None

@@ -125,7 +125,7 @@ class InMemoryTransport(Transport):
         wire = update_wire_bytes(header, self.aggregator.chunk_bytes)
 
         def push() -> PushResult:  # the push pipeline's steps, as the servicer runs them
-            return core.pipeline.push(header, memoryview(payload), wire_bytes=wire)
+            return core.pipeline.push(header, payload, wire_bytes=wire)
 
         result = self.aggregator.call(push)
         self._bytes_up += wire

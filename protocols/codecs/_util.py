@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import struct
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TypeVar
 
 import numpy as np
@@ -32,13 +32,39 @@ FLOAT_DTYPES: dict[str, np.dtype[np.floating]] = {"f32": np.dtype("<f4"), "f16":
 F16_MAX = float(np.finfo(np.float16).max)
 
 
-_THREADS_LOCK = threading.Lock()
-_single_threaded_depth = 0
-_saved_threads = 1
+#: Torch runs an elementwise op on one thread below this many elements anyway (ATen's grain
+#: size), so smaller work skips the toggle.
+TORCH_GRAIN = 32_768
 
 
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
+class _OneTorchThread:
+    """The process-wide state behind :func:`one_torch_thread` (one instance)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.saved = 1
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.depth == 0:
+                self.saved = torch.get_num_threads()
+                if self.saved != 1:
+                    torch.set_num_threads(1)
+            self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0 and self.saved != 1:
+                torch.set_num_threads(self.saved)
+
+
+_ONE_THREAD = _OneTorchThread()
+_NOTHING = contextlib.nullcontext()
+
+
+def one_torch_thread(elements: int | None = None) -> contextlib.AbstractContextManager[None]:
     """Torch's intra-op threads lowered to one for the block.
 
     Memory-bound ops on cache-sized blocks (a decoder's, the fold's) run fastest on one core: a
@@ -49,21 +75,13 @@ def one_torch_thread() -> Iterator[None]:
     save/restore per caller would let two overlapping callers restore each other's lowered
     count and leave the process at one thread for good). This is the only place in the
     library that changes the count temporarily; a pure aggregation rule never does.
+
+    ``elements``: the size of the work, when known; below :data:`TORCH_GRAIN` torch uses one
+    thread by itself and nothing is changed.
     """
-    global _single_threaded_depth, _saved_threads
-    with _THREADS_LOCK:
-        if _single_threaded_depth == 0:
-            _saved_threads = torch.get_num_threads()
-            if _saved_threads != 1:
-                torch.set_num_threads(1)
-        _single_threaded_depth += 1
-    try:
-        yield
-    finally:
-        with _THREADS_LOCK:
-            _single_threaded_depth -= 1
-            if _single_threaded_depth == 0 and _saved_threads != 1:
-                torch.set_num_threads(_saved_threads)
+    if elements is not None and elements < TORCH_GRAIN:
+        return _NOTHING
+    return _ONE_THREAD
 
 
 def pack_header(tag: int, flags: int) -> bytes:
