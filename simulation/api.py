@@ -24,13 +24,7 @@ def prepare_server(server: ServerConfig, sim: SimulationConfig, *,
     ``wait_for_all_clients`` and every client is always online, the first round waits for all
     of them (``min_clients = clients``) so the first cohort is deterministic.
 
-    The zeroth-order trainer is refused: the simulator's executors train first-order and encode
-    the model delta, so a seed-based run would silently push empty step logs.
     """
-    if server.train.trainer == "zo":
-        raise ValueError("the simulator runs first-order training only; run the zeroth-order "
-                         "trainer (trainer 'zo', codec 'seed') with `murmura run` or real "
-                         "clients")
     if server.train.seed != server.seed:
         server = dataclasses.replace(server, train=dataclasses.replace(server.train,
                                                                        seed=server.seed))

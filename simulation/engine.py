@@ -125,6 +125,7 @@ class _Flight:
     version: int = -1
     params: FlatVector | None = None      # the global vector it trains from (shared)
     payload: bytes | None = None
+    codec: str = ""                       # "" : the run's codec (settings.codec)
     num_examples: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     header: UpdateHeader | None = None
@@ -195,6 +196,10 @@ class Simulation:
         self.core = self._build_core(evaluate)
         self.spec: ModelSpec = self.core.spec
         self.settings: TaskSettings = self.core.config.train
+        if self.settings.trainer == "zo" and (self._update_attacks or update_hook is not None):
+            raise ValueError("attacks and hooks on updates change dense model updates; a "
+                             "zeroth-order run pushes seed-based step logs (use data attacks, "
+                             "or first-order training)")
         self.devices = self._devices()
         self.availability = self._availability()
         # per-client state: a few arrays and strings, no models
@@ -288,6 +293,15 @@ class Simulation:
         s, d = self.sim, self.data
         factory, train, shares = d.task.model_factory, d.train, d.shares
         workers = s.workers or default_workers()
+        if self.settings.trainer == "zo":
+            # each client's own ZOTrainer (its step log is what it pushes): not vectorised
+            if s.executor in ("ray", "vmap") or s.vectorise == "on":
+                raise ValueError("the zeroth-order trainer runs in the loop or pool executor "
+                                 f"(executor={s.executor!r}, vectorise={s.vectorise!r} asked)")
+            self.probe_note = "zeroth-order: each client's ZOTrainer"
+            if s.executor == "pool" or (s.executor != "loop" and workers > 1):
+                return PoolExecutor(factory, train, shares, workers=workers)
+            return LoopExecutor(factory, train, shares)
         if s.executor in ("loop", "pool", "ray"):
             self.probe_note = f"executor={s.executor!r}"
             if s.executor == "ray":
@@ -546,7 +560,7 @@ class Simulation:
         flight.header = UpdateHeader(
             session=self.sessions[c], update_id=self._update_ids(),  # kept by retries
             base_version=flight.version, round=flight.round,
-            num_examples=flight.num_examples, codec=self.settings.codec,
+            num_examples=flight.num_examples, codec=flight.codec or self.settings.codec,
             payload_bytes=len(flight.payload), metrics=flight.metrics,
             spec_fingerprint=self.core.fingerprint)
         flight.wire = update_wire_bytes(flight.header)
@@ -600,9 +614,11 @@ class Simulation:
             return
         for c, job, r in zip(clients, jobs, results, strict=True):
             flight = self.flights[c]
-            update = delta_of(r.params, job.params)
-            # the push pipeline lands it in a receive buffer, as the gRPC servicer does
-            flight.payload = self._encoder(c).encode(update)
+            if r.encoded is not None:  # the trainer's own payload (a seed-based step log)
+                flight.codec, flight.payload = r.encoded
+            else:
+                update = delta_of(r.params, job.params)
+                flight.payload = self._encoder(c).encode(update)
             flight.num_examples = r.num_examples
             flight.metrics = dict(r.metrics)
             flight.params = None  # the global vector is no longer needed by this client

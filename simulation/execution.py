@@ -21,7 +21,7 @@ import numpy.typing as npt
 import torch
 from torch import nn
 
-from murmura.client import TorchTrainer
+from murmura.client import TorchTrainer, ZOTrainer
 from murmura.protocols import FlatVector, TaskSettings
 from murmura.tasks import ArrayDataset
 
@@ -49,6 +49,9 @@ class JobResult:
     params: FlatVector
     num_examples: int
     metrics: dict[str, float] = field(default_factory=dict)
+    #: ``(codec, payload)`` when the trainer encoded the update itself (the zeroth-order
+    #: trainer's seed-based step log); the engine pushes it as it is
+    encoded: tuple[str, bytes] | None = None
 
 
 class Executor(ABC):
@@ -81,19 +84,30 @@ class LoopExecutor(Executor):
         self.model = model_factory()
         self.train = train
         self.shares = shares
+        self._zo: ZOTrainer | None = None
 
     def run_one(self, job: Job, settings: TaskSettings) -> JobResult:
         data = self.train.subset(self.shares[job.client])
-        trainer = TorchTrainer(self.model, data, device="cpu")
+        trainer: TorchTrainer | ZOTrainer
+        if settings.trainer == "zo":
+            # the client's own seed-based trainer: it returns the step log it would push
+            # (and the exact model the server's replay of it gives)
+            if self._zo is None:
+                self._zo = ZOTrainer(self.model, data, device="cpu")
+            trainer = self._zo
+            trainer.data = data
+        else:
+            trainer = TorchTrainer(self.model, data, device="cpu")
         result = trainer.train(job.params, settings, seed=job.seed)
         assert result.params is not None
-        return JobResult(result.params, result.num_examples, dict(result.metrics))
+        return JobResult(result.params, result.num_examples, dict(result.metrics),
+                         encoded=result.encoded)
 
     def run(self, jobs: Sequence[Job], settings: TaskSettings) -> list[JobResult]:
         return [self.run_one(job, settings) for job in jobs]
 
     def describe(self) -> str:
-        return "loop (TorchTrainer, one client at a time)"
+        return "loop (the client's trainer, one client at a time)"
 
 
 # -- process pool ----------------------------------------------------------------------------
@@ -109,13 +123,10 @@ def _init_worker(model_factory: ModelFactory, train: ArrayDataset,
 
 
 def _run_in_worker(batch: list[tuple[int, int, int]], vectors: dict[int, FlatVector],
-                   settings: TaskSettings) -> list[tuple[FlatVector, int, dict[str, float]]]:
+                   settings: TaskSettings) -> list[JobResult]:
     assert _WORKER is not None, "worker was not initialised"
-    out = []
-    for client, key, seed in batch:
-        r = _WORKER.run_one(Job(client, vectors[key], seed), settings)
-        out.append((r.params, r.num_examples, r.metrics))
-    return out
+    return [_WORKER.run_one(Job(client, vectors[key], seed), settings)
+            for client, key, seed in batch]
 
 
 class PoolExecutor(Executor):
@@ -158,11 +169,12 @@ class PoolExecutor(Executor):
             futures.append(self._pool.submit(_run_in_worker, batch, needed, settings))
         results: list[JobResult] = []
         for fut in futures:
-            results += [JobResult(p, n, m) for p, n, m in fut.result()]
+            results += fut.result()
         return results
 
     def describe(self) -> str:
-        return f"pool ({self.workers} worker processes running TorchTrainer, 1 thread each)"
+        return (f"pool ({self.workers} worker processes running the client's trainer, 1 "
+                f"thread each)")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

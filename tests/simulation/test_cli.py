@@ -81,8 +81,11 @@ def test_a_typo_in_the_config_is_an_error_that_names_it(tmp_path: Path) -> None:
         args.fn(args)
 
 
-def test_the_zeroth_order_trainer_is_refused_instead_of_simulating_empty_updates() -> None:
+def test_simulate_runs_the_zeroth_order_trainer(tmp_path) -> None:
     args = _parser().parse_args(["simulate", "--trainer", "zo", "--codec", "seed",
-                                 "--clients", "3", "--max-versions", "1"])
-    with pytest.raises(ValueError, match="first-order training only"):
-        args.fn(args)
+                                 "--local-epochs", "0", "--local-steps", "5", "--clients", "3",
+                                 "--max-versions", "1", "--workers", "1", "-q",
+                                 "--out", str(tmp_path)])
+    assert args.fn(args) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["versions"] == 1 and summary["updates"] == 3
