@@ -76,7 +76,7 @@ from murmura.server.limits import (
 )
 from murmura.server.model import ModelRule, OptimizerRule, PoolRule
 from murmura.server.outputs import RunRecorder, clean_row
-from murmura.server.policy import AsyncPolicy, CompassPolicy, Policy, SyncPolicy
+from murmura.server.policy import AsyncPolicy, CompassPolicy, Policy, PolicyHost, SyncPolicy
 from murmura.server.pool import PoolState
 from murmura.server.publisher import Publisher
 from murmura.server.ratelimit import RateLimiter
@@ -284,9 +284,9 @@ class AggregatorCore:
         self.fold_limit = FOLD_LIMIT[config.accumulator]
         #: Extra figures for the metrics row (the serverless tier's workers and queue).
         self.row_extras: Callable[[], dict[str, Any]] | None = None
-        policies: dict[str, Callable[[AggregatorCore], Policy]] = {
+        policies: dict[str, Callable[[PolicyHost], Policy]] = {
             "sync": SyncPolicy, "async": AsyncPolicy, "compass": CompassPolicy}
-        self.policy: Policy = policies[config.mode](self)
+        self.policy: Policy = policies[config.mode](self)  # the policy sees a PolicyHost
         if start is not None:
             agg_state = {k[len(AGG_PREFIX):]: v for k, v in start.extra.items()
                          if k.startswith(AGG_PREFIX)}

@@ -3,7 +3,8 @@ FedCompass's arrival groups.
 
 Every policy sits on the same core and receives each update as soon as it has been validated
 and decoded. A policy decides which clients should train (``task_for``) and when the
-aggregate becomes a new version (it calls ``core.apply``).
+aggregate becomes a new version (it calls ``host.publish``). A policy sees the core only
+through :class:`PolicyHost`, the few members it needs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -41,7 +42,8 @@ from murmura.server.decoding import Decoded
 from murmura.server.errors import FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:
-    from murmura.server.core import AggregatorCore, ClientRecord
+    from murmura.server.config import ServerConfig
+    from murmura.server.core import ClientRecord
 
 log = logging.getLogger(__name__)
 Release = Callable[[], None] | None
@@ -51,7 +53,49 @@ LIVENESS_MIN_S = 1.0
 STEP_TIME_RANGE = (1e-6, 86_400.0)
 
 
-def _staleness_fn(core: AggregatorCore):  # noqa: ANN202
+class PolicyHost(Protocol):
+    """The side of the aggregator a policy sees (the core implements it).
+
+    Read: the run's ``config`` and ``spec``, the length of the vectors it aggregates
+    (``update_size``), the ``clock``, the current ``version`` and whether the run is ``ready``,
+    ``done`` or ``finished``, how many versions are being ``publishing``, and the bound on one
+    version's aggregate (``fold_limit``, with the mass taken so far, ``fold_mass``, which
+    FedCompass sets when it re-plans a version). Act: fold an update on the publisher
+    (``fold``), make a version (``publish``), drop a silent client (``drop_client``), log an
+    event, derive a seed.
+    """
+
+    config: ServerConfig
+    spec: ModelSpec
+    update_size: int
+    clock: Callable[[], float]
+    version: int
+    ready: bool
+    done: bool
+    publishing: int
+    fold_mass: float
+    fold_limit: float
+
+    @property
+    def finished(self) -> bool: ...
+
+    def derive_seed(self, *parts: object) -> int: ...
+
+    def log_event(self, event: str, **fields: Any) -> None: ...
+
+    def active_client_ids(self) -> list[str]: ...
+
+    def record_of(self, client_id: str) -> ClientRecord | None: ...
+
+    def drop_client(self, rec: ClientRecord, why: str) -> None: ...
+
+    def fold(self, fn: Callable[..., None], decoded: Decoded, *args: Any,
+             release: Callable[[], None] | None = None, **kwargs: Any) -> None: ...
+
+    def publish(self, aggregator: Aggregator, *, updates: int, round_id: int = 0) -> None: ...
+
+
+def _staleness_fn(core: PolicyHost):  # noqa: ANN202
     cfg = core.config
     params = {"a": cfg.staleness_exponent} if cfg.staleness == "polynomial" else {}
     return staleness_function(cfg.staleness, **params)
@@ -67,7 +111,7 @@ def output_layer_values(spec: ModelSpec) -> int:
     return 0
 
 
-def make_aggregator(core: AggregatorCore) -> Aggregator:
+def make_aggregator(core: PolicyHost) -> Aggregator:
     """The configured rule for vectors of the core's update size."""
     cfg = core.config
     options = cfg.defense_kwargs()
@@ -121,7 +165,7 @@ class Policy(ABC):
     #: The rule the policy folds into; the core asks it whether partials can enter.
     aggregator: Aggregator
 
-    def __init__(self, core: AggregatorCore) -> None:
+    def __init__(self, core: PolicyHost) -> None:
         self.core = core
         self.staleness = _staleness_fn(core)
 
@@ -185,7 +229,7 @@ class SyncPolicy(Policy):
     slow joins again and its update counts, late.
     """
 
-    def __init__(self, core: AggregatorCore) -> None:
+    def __init__(self, core: PolicyHost) -> None:
         super().__init__(core)
         self.agg = self.aggregator = make_aggregator(core)
         self._folded = 0                                # updates handed to the publisher
@@ -372,7 +416,7 @@ class AsyncPolicy(Policy):
     """Buffered asynchronous aggregation: every client trains whenever it asks; each
     ``buffer_size`` updates, weighted by staleness, make one new version."""
 
-    def __init__(self, core: AggregatorCore) -> None:
+    def __init__(self, core: PolicyHost) -> None:
         super().__init__(core)
         cfg = core.config
         self.buffer = FedBuff(core.update_size, buffer_size=cfg.buffer_size,
@@ -482,7 +526,7 @@ class CompassPolicy(Policy):
       members' updates enter the next group's aggregate.
     """
 
-    def __init__(self, core: AggregatorCore) -> None:
+    def __init__(self, core: PolicyHost) -> None:
         super().__init__(core)
         self.bounds = core.config.compass_bounds()
         self.agg = self.aggregator = make_aggregator(core)
