@@ -79,14 +79,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if sim.gossip:
         return _simulate_gossip(task, sim, toml, args)
     quiet = args.quiet > 0
+    server = prepare_server(server, sim, wait_for_all_clients=not given_min)  # refuses first
     if not quiet:
         print(f"murmura simulate: {sim.clients} virtual clients, mode={server.mode}, "
               f"task={task.app or task.task}, codec={server.train.codec}, speed spread "
               f"{sim.speed_spread:g}x, availability={sim.availability}, out={sim.out}",
               file=sys.stderr)
     progress = Progress(server.max_versions, quiet=quiet)
-    engine = Simulation(task, prepare_server(server, sim, wait_for_all_clients=not given_min),
-                        sim, progress=progress.update)
+    engine = Simulation(task, server, sim, progress=progress.update)
     interrupted = False
     try:
         engine.advance()

@@ -25,6 +25,9 @@ def prepare_server(server: ServerConfig, sim: SimulationConfig, *,
     of them (``min_clients = clients``) so the first cohort is deterministic.
 
     """
+    if server.train.trainer == "zo" and (sim.executor in ("ray", "vmap") or sim.vectorise == "on"):
+        raise ValueError("the zeroth-order trainer runs in the loop or pool executor "
+                         f"(executor={sim.executor!r}, vectorise={sim.vectorise!r} asked)")
     if server.train.seed != server.seed:
         server = dataclasses.replace(server, train=dataclasses.replace(server.train,
                                                                        seed=server.seed))

@@ -237,7 +237,7 @@ def test_the_allow_list_admits_only_listed_keys(tmp_path) -> None:
 
 
 def test_challenges_are_bounded(monkeypatch) -> None:
-    from murmura.server import core as core_module
+    from murmura.server import sessions as core_module  # where the challenges live
 
     monkeypatch.setattr(core_module, "MAX_CHALLENGES", 3)
     core = make_core()
