@@ -96,6 +96,7 @@ from murmura.simulation.execution import (
     LoopExecutor,
     PoolExecutor,
     default_workers,
+    has_own_train,
 )
 from murmura.simulation.ray_executor import RayExecutor
 from murmura.simulation.vectorised import VectorisationError, VectorisedExecutor
@@ -293,15 +294,18 @@ class Simulation:
         s, d = self.sim, self.data
         factory, train, shares = d.task.model_factory, d.train, d.shares
         workers = s.workers or default_workers()
-        if self.settings.trainer == "zo":
-            # each client's own ZOTrainer (its step log is what it pushes): not vectorised
+        own_train = has_own_train(d.task)
+        if self.settings.trainer == "zo" or own_train:
+            # each client's own trainer (a ZOTrainer's step log is what it pushes; an app's
+            # train function runs on the client's own data): not vectorised, not on Ray
+            what = "an app's own train()" if own_train else "the zeroth-order trainer"
             if s.executor in ("ray", "vmap") or s.vectorise == "on":
-                raise ValueError("the zeroth-order trainer runs in the loop or pool executor "
+                raise ValueError(f"{what} runs in the loop or pool executor "
                                  f"(executor={s.executor!r}, vectorise={s.vectorise!r} asked)")
-            self.probe_note = "zeroth-order: each client's ZOTrainer"
+            self.probe_note = f"{what}: each client's own trainer"
             if s.executor == "pool" or (s.executor != "loop" and workers > 1):
-                return PoolExecutor(factory, train, shares, workers=workers)
-            return LoopExecutor(factory, train, shares)
+                return PoolExecutor(factory, train, shares, workers=workers, task=d.task)
+            return LoopExecutor(factory, train, shares, task=d.task)
         if s.executor in ("loop", "pool", "ray"):
             self.probe_note = f"executor={s.executor!r}"
             if s.executor == "ray":

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -22,8 +23,10 @@ import torch
 from torch import nn
 
 from murmura.client import TorchTrainer, ZOTrainer
+from murmura.client.app import AppTrainer
 from murmura.protocols import FlatVector, TaskSettings
-from murmura.tasks import ArrayDataset
+from murmura.tasks import ArrayDataset, Task
+from murmura.tasks.app import AppTask
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +83,31 @@ class LoopExecutor(Executor):
     path = "loop"
 
     def __init__(self, model_factory: ModelFactory, train: ArrayDataset,
-                 shares: Sequence[Index]) -> None:
+                 shares: Sequence[Index], *, task: Task | None = None) -> None:
         self.model = model_factory()
         self.train = train
         self.shares = shares
         self._zo: ZOTrainer | None = None
+        #: An app with its own ``train``: each job runs it on the deployed client's own data
+        #: (``client_data(i, n)``, as ``murmura client`` loads it), not on gathered arrays.
+        self._app = task if isinstance(task, AppTask) and task.app.fn("train") is not None \
+            else None
+        self._app_data: dict[int, Any] = {}
+        #: An app's own ``loss`` (Murmura's trainer minimises it, as on a deployed client).
+        self._loss = task.app.fn("loss") if isinstance(task, AppTask) else None
 
     def run_one(self, job: Job, settings: TaskSettings) -> JobResult:
+        trainer: TorchTrainer | ZOTrainer | AppTrainer
+        if self._app is not None:
+            data = self._app_data.get(job.client)
+            if data is None:
+                data = self._app_data[job.client] = self._app.client_data(job.client,
+                                                                          len(self.shares))
+            trainer = AppTrainer(self._app, self.model, data)
+            result = trainer.train(job.params, settings, seed=job.seed)
+            assert result.params is not None
+            return JobResult(result.params, result.num_examples, dict(result.metrics))
         data = self.train.subset(self.shares[job.client])
-        trainer: TorchTrainer | ZOTrainer
         if settings.trainer == "zo":
             # the client's own seed-based trainer: it returns the step log it would push
             # (and the exact model the server's replay of it gives)
@@ -96,6 +115,8 @@ class LoopExecutor(Executor):
                 self._zo = ZOTrainer(self.model, data, device="cpu")
             trainer = self._zo
             trainer.data = data
+        elif self._loss is not None:
+            trainer = TorchTrainer(self.model, data, device="cpu", loss_fn=self._loss)
         else:
             trainer = TorchTrainer(self.model, data, device="cpu")
         result = trainer.train(job.params, settings, seed=job.seed)
@@ -116,10 +137,10 @@ _WORKER: LoopExecutor | None = None
 
 
 def _init_worker(model_factory: ModelFactory, train: ArrayDataset,
-                 shares: Sequence[Index], threads: int) -> None:
+                 shares: Sequence[Index], threads: int, task: Task | None) -> None:
     global _WORKER
     torch.set_num_threads(threads)
-    _WORKER = LoopExecutor(model_factory, train, shares)
+    _WORKER = LoopExecutor(model_factory, train, shares, task=task)
 
 
 def _run_in_worker(batch: list[tuple[int, int, int]], vectors: dict[int, FlatVector],
@@ -140,7 +161,8 @@ class PoolExecutor(Executor):
     path = "pool"
 
     def __init__(self, model_factory: ModelFactory, train: ArrayDataset,
-                 shares: Sequence[Index], *, workers: int, threads_per_worker: int = 1) -> None:
+                 shares: Sequence[Index], *, workers: int, threads_per_worker: int = 1,
+                 task: Task | None = None) -> None:
         if workers < 2:
             raise ValueError(f"a process pool needs at least 2 workers, got {workers}")
         import multiprocessing as mp
@@ -149,7 +171,7 @@ class PoolExecutor(Executor):
         ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
         self._pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                                          initargs=(model_factory, train, shares,
-                                                   threads_per_worker))
+                                                   threads_per_worker, task))
 
     def run(self, jobs: Sequence[Job], settings: TaskSettings) -> list[JobResult]:
         if not jobs:
@@ -178,6 +200,13 @@ class PoolExecutor(Executor):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def has_own_train(task: Task | None) -> bool:
+    """Whether ``task`` is an app that brings its own ``train`` or ``loss`` function (the
+    vectorised path trains with cross-entropy and Murmura's SGD only)."""
+    return isinstance(task, AppTask) and (task.app.fn("train") is not None
+                                          or task.app.fn("loss") is not None)
 
 
 def default_workers() -> int:
