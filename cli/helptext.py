@@ -226,6 +226,9 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "downlink_mbps": "best client downlink, Mbit/s (> 0)",
         "bandwidth_spread": "best link / worst link (>= 1)",
         "latency_ms": "one-way network latency in milliseconds",
+        "client_codec": "the virtual clients' own codec: '' (the server's), a codec name, or "
+                        "auto (each client picks from its link speed after its first push, "
+                        "as murmura client --codec auto)",
         "availability": "always, churn (exponential online/offline periods), or a CSV of "
                         "online intervals (client,start_s,end_s)",
         "mean_online_s": "churn: mean online period in seconds",

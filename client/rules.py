@@ -33,6 +33,7 @@ __all__ = [
     "UpdateIds",
     "after_refusal",
     "auto_codec",
+    "auto_switch",
     "codec_choice",
     "encoder_seed",
     "make_encoder",
@@ -91,6 +92,18 @@ def auto_codec(dense_bytes: int, uplink_bytes_per_s: float, train_s: float, *,
             return name, dict(options)
     name, options, _ = AUTO_CODECS[-1]
     return name, dict(options)
+
+
+def auto_switch(dense_bytes: int, payload_bytes: int, push_s: float, train_s: float,
+                current: str) -> tuple[str, dict[str, str]] | None:
+    """``codec='auto'``, after a client's first push: the codec for its next updates, chosen
+    from that push's measured speed (:func:`auto_codec`); None keeps ``current`` (the choice
+    is the same, or the push took no measurable time). The client runtime and the
+    simulator's virtual clients both decide with it."""
+    if push_s <= 0:
+        return None
+    name, options = auto_codec(dense_bytes, payload_bytes / push_s, train_s)
+    return None if name == current else (name, options)
 
 
 def make_encoder(settings: TaskSettings, spec_size: int, client_id: str,

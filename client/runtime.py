@@ -21,7 +21,7 @@ from murmura.client.retry import RetryPolicy, jitter_rng
 from murmura.client.rules import (
     UpdateIds,
     after_refusal,
-    auto_codec,
+    auto_switch,
     codec_choice,
     encoder_seed,
     make_encoder,
@@ -284,12 +284,11 @@ class ClientRuntime:
         """``codec='auto'``: pick the codec for the next updates from this push's speed."""
         assert self.spec is not None
         self.auto_codec = False  # decided once, so error-feedback state is kept from here on
-        if push_s <= 0:
+        choice = auto_switch(4 * self.spec.size, payload_bytes, push_s, train_s,
+                             self.codec_name or (self.settings.codec if self.settings else ""))
+        if choice is None:
             return
-        dense = 4 * self.spec.size
-        name, options = auto_codec(dense, payload_bytes / push_s, train_s)
-        if name == (self.codec_name or (self.settings.codec if self.settings else "")):
-            return
+        name, options = choice
         self._encoder = create_codec(name, options).encoder(
             self.spec.size, seed=encoder_seed(self.client_id))
         self.codec_name = name

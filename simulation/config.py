@@ -51,6 +51,9 @@ class SimulationConfig:
     downlink_mbps: float = 100.0
     bandwidth_spread: float = 1.0
     latency_ms: float = 20.0
+    #: The virtual clients' own --codec: "" (the server's), a codec name, or "auto" (each
+    #: client picks after its first push from its link speed, as murmura client --codec auto)
+    client_codec: str = ""
     # availability
     availability: str = "always"
     mean_online_s: float = 3600.0
@@ -102,6 +105,12 @@ class SimulationConfig:
             raise ValueError(f"dropout must be one of {DROPOUT}, got {self.dropout!r}")
         if self.vectorise not in VECTORISE:
             raise ValueError(f"vectorise must be one of {VECTORISE}, got {self.vectorise!r}")
+        if self.client_codec and self.client_codec != "auto":
+            from murmura.protocols import available_codecs
+
+            if self.client_codec not in available_codecs():
+                raise ValueError(f"client_codec must be '', 'auto' or one of "
+                                 f"{', '.join(available_codecs())}, got {self.client_codec!r}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.executor == "vmap" and self.vectorise == "off":

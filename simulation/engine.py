@@ -55,7 +55,14 @@ import torch
 
 from murmura.client import Backoff, RetryPolicy, delta_of, jitter_rng
 from murmura.client.malicious import Attack
-from murmura.client.rules import UpdateIds, after_refusal, codec_choice, make_encoder
+from murmura.client.rules import (
+    UpdateIds,
+    after_refusal,
+    auto_switch,
+    codec_choice,
+    encoder_seed,
+    make_encoder,
+)
 from murmura.protocols import (
     Action,
     DeviceProfile,
@@ -222,10 +229,16 @@ class Simulation:
         self.waiting: dict[int, None] = {}
         self._pending: list[int] = []
         self._encoders: dict[int, Encoder] = {}
-        create_codec(*codec_choice(self.settings))  # an unknown codec or option fails now
+        #: the clients' own codec (sim.client_codec; "auto": chosen per client, see _on_push)
+        self._client_codec = "" if sim.client_codec == "auto" else sim.client_codec
+        self._auto: set[int] = set(range(n)) if sim.client_codec == "auto" else set()
+        self._codec_of: dict[int, str] = {}  # clients whose auto choice switched codec
+        create_codec(*codec_choice(self.settings, self._client_codec))  # unknown: fails now
         # a dense codec draws no randomness and keeps no state: one encoder serves everyone
-        self._shared_encoder = (make_encoder(self.settings, self.spec.size, self.ids[0])
-                                if self.settings.codec in STATELESS_CODECS else None)
+        first = self._client_codec or self.settings.codec
+        self._shared_encoder = (make_encoder(self.settings, self.spec.size, self.ids[0],
+                                             self._client_codec)
+                                if first in STATELESS_CODECS and not self._auto else None)
         self.model_wire = ModelWire(self.spec)
         self.queue: EventQueue[tuple[int, int, int]] = EventQueue()
         self._ticks: set[float] = set()
@@ -564,7 +577,9 @@ class Simulation:
         flight.header = UpdateHeader(
             session=self.sessions[c], update_id=self._update_ids(),  # kept by retries
             base_version=flight.version, round=flight.round,
-            num_examples=flight.num_examples, codec=flight.codec or self.settings.codec,
+            num_examples=flight.num_examples,
+            codec=(flight.codec or self._codec_of.get(c) or self._client_codec
+                   or self.settings.codec),
             payload_bytes=len(flight.payload), metrics=flight.metrics,
             spec_fingerprint=self.core.fingerprint)
         flight.wire = update_wire_bytes(flight.header)
@@ -582,6 +597,8 @@ class Simulation:
             self._refused(c, exc, _PUSH)  # a retry or a re-join keeps the flight
             return
         del self.flights[c]
+        if c in self._auto and not result.duplicate:
+            self._choose_codec(c, flight)
         if self._retrying:
             self._retrying.pop(c, None)
         if not result.duplicate:
@@ -590,12 +607,31 @@ class Simulation:
 
     # -- training ------------------------------------------------------------------------
 
+    def _choose_codec(self, c: int, flight: _Flight) -> None:
+        """``client_codec='auto'``: after a client's first push, its codec for the next
+        updates from that push's virtual duration, by the client runtime's own rule."""
+        self._auto.discard(c)
+        if flight.codec or flight.header is None:  # the trainer encoded it itself
+            return
+        push_s = self._latency[c] + flight.wire / self._up[c]
+        compute = (flight.steps * float(self.devices.step_time_s[c]) if flight.steps
+                   else self._compute_s[c])
+        current = self._client_codec or self.settings.codec
+        choice = auto_switch(4 * self.spec.size, flight.header.payload_bytes, push_s, compute,
+                             current)
+        if choice is not None:
+            name, options = choice
+            self._codec_of[c] = name
+            self._encoders[c] = create_codec(name, options).encoder(
+                self.spec.size, seed=encoder_seed(self.ids[c]))
+
     def _encoder(self, c: int) -> Encoder:
         if self._shared_encoder is not None:
             return self._shared_encoder
         enc = self._encoders.get(c)
         if enc is None:  # made and seeded as ClientRuntime makes it, from the client id
-            enc = self._encoders[c] = make_encoder(self.settings, self.spec.size, self.ids[c])
+            enc = self._encoders[c] = make_encoder(self.settings, self.spec.size, self.ids[c],
+                                                   self._client_codec)
         return enc
 
     def _train_pending(self) -> None:
