@@ -42,17 +42,15 @@ COMPARED = ("version", "round", "updates", "updates_in_version", "bytes_up", "by
             "accuracy", "loss")
 
 
-@pytest.fixture(scope="module")
-def grpc_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, list[dict]]:
+def _grpc_run(out: Path, *extra: str) -> tuple[np.ndarray, list[dict]]:
     """``murmura run`` on loopback gRPC (clients as threads of this process)."""
     import torch
 
-    out = tmp_path_factory.mktemp("grpc")
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         rc = main(["run", "--in-process", "-q", "--no-require-identity",  # as the simulator
-                   "--out", str(out), "--clients", str(CLIENTS),
+                   *extra, "--out", str(out), "--clients", str(CLIENTS),
                    "--max-versions", str(VERSIONS), "--seed", str(SEED), "--local-epochs", "1",
                    "--task", TASK.task, "--model", TASK.model, "--partition", TASK.partition,
                    "--alpha", str(TASK.alpha)])
@@ -61,6 +59,11 @@ def grpc_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, list
     assert rc == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return load_checkpoint(out / "checkpoint.npz").params, rows
+
+
+@pytest.fixture(scope="module")
+def grpc_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, list[dict]]:
+    return _grpc_run(tmp_path_factory.mktemp("grpc"))
 
 
 def _simulate(tmp_path: Path, **kw) -> tuple[np.ndarray, list[dict], str]:
@@ -77,6 +80,18 @@ def test_sync_simulation_is_bit_identical_to_murmura_run(grpc_run, tmp_path: Pat
     assert ran == path
     assert params.tobytes() == want_params.tobytes()
     # the metrics agree too, bytes on the wire included; only time differs
+    assert [{k: r[k] for k in COMPARED} for r in rows] == \
+        [{k: r[k] for k in COMPARED} for r in want_rows]
+
+
+def test_a_server_decoding_in_worker_processes_gives_the_same_model(grpc_run,
+                                                                    tmp_path: Path) -> None:
+    # The live run's updates go through the tier's worker processes (shared-memory slabs);
+    # the simulation's through its in-process decode: the same pipeline, the same model.
+    want_params, want_rows = _grpc_run(tmp_path / "workers", "--workers", "2")
+    assert want_rows[-1]["workers"] >= 1 and want_rows[-1]["cold_starts"] >= 1  # they ran
+    params, rows, _ = _simulate(tmp_path / "sim", vectorise="off", workers=1)
+    assert params.tobytes() == want_params.tobytes() == grpc_run[0].tobytes()
     assert [{k: r[k] for k in COMPARED} for r in rows] == \
         [{k: r[k] for k in COMPARED} for r in want_rows]
 
