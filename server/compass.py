@@ -7,9 +7,10 @@ at about the same time; the server aggregates each group when it has arrived. Fa
 more local work instead of waiting, slow ones less, and updates are about as stale as the
 number of groups in flight rather than the number of clients.
 
-The policy that uses these functions (:class:`murmura.server.policy.CompassPolicy`) keeps the
-state: the groups, each client's speed estimate, and the buffered updates. Everything here
-takes numbers and returns numbers, so the decisions are property-tested in isolation.
+The policy that uses these functions (:class:`murmura.server.compass_policy.CompassPolicy`)
+keeps the state: the groups, each client's speed estimate, and the buffered updates.
+Everything here takes numbers and returns numbers, so the decisions are property-tested in
+isolation.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from murmura.protocols.identity import (
 )
 from murmura.server.checkpoint import Checkpoint
 from murmura.server.client_eval import ClientEvals
+from murmura.server.compass_policy import CompassPolicy
 from murmura.server.config import ServerConfig
 from murmura.server.decoding import Decoder
 from murmura.server.errors import (
@@ -42,7 +43,7 @@ from murmura.server.errors import (
 from murmura.server.intake import MAX_PARTIAL_COUNT, IntakeJob
 from murmura.server.model import ModelRule, OptimizerRule, PoolRule
 from murmura.server.outputs import RunRecorder
-from murmura.server.policy import AsyncPolicy, CompassPolicy, Policy, PolicyHost, SyncPolicy
+from murmura.server.policy import AsyncPolicy, Policy, PolicyHost, SyncPolicy
 from murmura.server.publisher import Publisher
 from murmura.server.ratelimit import RateLimiter
 from murmura.server.recent import RecentMap
