@@ -34,11 +34,11 @@ from murmura.aggregation.directions import (
     dnc_outliers,
     majority_cluster,
 )
-from murmura.aggregation.robust import (
-    RobustAggregator,
+from murmura.aggregation.robust import RobustAggregator
+from murmura.aggregation.robust_stats import (
     Stack,
-    _check_weight_cap,
     cap_weights,
+    check_weight_cap,
     clip_scales,
     weighted_sum,
 )
@@ -118,7 +118,7 @@ class Flame(_SeededState, RobustAggregator):
     def __init__(self, size: int, *, dim: int = 1024, noise: float = 0.0, seed: int = 0,
                  weight_cap: float | None = 4.0) -> None:
         super().__init__(size)
-        _check_weight_cap(weight_cap)
+        check_weight_cap(weight_cap)
         if int(dim) != dim or (dim != 0 and dim < 16):
             raise AggregationError(f"flame dim must be 0 (exact) or an integer >= 16, got {dim}")
         if not (math.isfinite(noise) and noise >= 0):
@@ -166,7 +166,7 @@ class DivideAndConquer(_SeededState, RobustAggregator):
                  c: float = 1.0, iterations: int = 5, subsample: int = 10_000, seed: int = 0,
                  weight_cap: float | None = 4.0) -> None:
         super().__init__(size)
-        _check_weight_cap(weight_cap)
+        check_weight_cap(weight_cap)
         if f is not None and (int(f) != f or f < 0):
             raise AggregationError(f"dnc f must be an integer >= 0, got {f}")
         if not 0 <= fraction < 0.5:

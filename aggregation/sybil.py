@@ -39,12 +39,12 @@ import numpy as np
 import numpy.typing as npt
 
 from murmura.aggregation.base import AggregationError, FlatVector, register_aggregator
-from murmura.aggregation.robust import (
-    RobustAggregator,
+from murmura.aggregation.robust import RobustAggregator
+from murmura.aggregation.robust_stats import (
     Stack,
-    _check_weight_cap,
     cap_weights,
     centered_clip,
+    check_weight_cap,
     clip_scales,
     huber_mean,
     weighted_median,
@@ -309,7 +309,7 @@ class SybilMean(RobustAggregator):
                  low: float = 0.95, high: float = 0.99, recent: int = 3,
                  weight_cap: float | None = 4.0) -> None:
         super().__init__(size)
-        _check_weight_cap(weight_cap)
+        check_weight_cap(weight_cap)
         self.weight_cap = weight_cap
         self.scorer = SybilWeighting(size, dim=dim, max_clients=max_clients, seed=seed,
                                      low=low, high=high, recent=recent)

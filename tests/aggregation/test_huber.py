@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from murmura.aggregation import AggregationError
-from murmura.aggregation.robust import MAD_SCALE, huber_mean
+from murmura.aggregation.robust_stats import MAD_SCALE, huber_mean
 
 FAST = settings(max_examples=20, deadline=None)
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from murmura.aggregation import AggregationError, create_aggregator, robust
+from murmura.aggregation import AggregationError, create_aggregator, robust, robust_stats
 from murmura.aggregation.fedavg import WeightedMean
 
 RULES = {
@@ -236,7 +236,7 @@ def test_multi_krum_averages_the_m_best_scored_updates() -> None:
 
 
 def test_trimmed_mean_matches_a_sort_based_reference() -> None:
-    x = honest(5, n=10, p=robust._BLOCK + 37)  # more than one column block
+    x = honest(5, n=10, p=robust_stats._BLOCK + 37)  # more than one column block
     out = robust.trimmed_mean(x, trim_count=2)
     ref = np.sort(x, axis=0)[2:-2].mean(axis=0)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
@@ -244,7 +244,7 @@ def test_trimmed_mean_matches_a_sort_based_reference() -> None:
 
 def test_coordinate_median_matches_numpy_for_odd_and_even_n() -> None:
     for n in (7, 8):
-        x = honest(6, n=n, p=robust._BLOCK + 5)
+        x = honest(6, n=n, p=robust_stats._BLOCK + 5)
         np.testing.assert_allclose(robust.coordinate_median(x), np.median(x, axis=0), rtol=1e-6)
 
 
@@ -277,7 +277,7 @@ def test_centered_clip_distances_stay_exact_for_updates_next_to_the_centre() -> 
     x = (centre + 1e-4 * rng.standard_normal((6, 5000))).astype(np.float32)
     x[0] = 3 * centre  # one row far away takes the fast path
 
-    got = robust._distances_to(torch.from_numpy(x), centre, np.ones(6), robust.row_norms(x))
+    got = robust_stats._distances_to(torch.from_numpy(x), centre, np.ones(6), robust.row_norms(x))
     want = np.linalg.norm(x.astype(np.float64) - centre, axis=1)
     np.testing.assert_allclose(got, want, rtol=1e-4)
 

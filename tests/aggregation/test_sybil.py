@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from murmura.aggregation import AggregationError, FedBuff, create_aggregator
-from murmura.aggregation.robust import huber_mean
+from murmura.aggregation.robust_stats import huber_mean
 from murmura.aggregation.staleness import Polynomial
 from murmura.aggregation.sybil import SybilMean, SybilWeighting, sketch_rows
 
