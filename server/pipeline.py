@@ -87,8 +87,7 @@ class PushPipeline:
         except BaseException as exc:
             core.abort_push(header, exc)
             raise
-        spooled = None if spooling is None else \
-            self._spooled(header, spooling, release, lambda fut: fut.result())
+        spooled = None if spooling is None else self._spooled(header, spooling, release)
         # nothing ran since begin_push on this thread: the client's record is the one it found
         result = core.finish_push(header, decoded, release=release, spooled=spooled, rec=rec)
         del decoded, release  # the fold releases the buffers once nothing holds them
@@ -178,13 +177,12 @@ class PushPipeline:
         return state.spool(lease.view if isinstance(lease, ReceiveBuffer)
                            else lease.buf[:received])
 
-    def _spooled(self, header: UpdateHeader, spooling: Future[SpoolRef] | None,
-                 release: Callable[[], None],
-                 wait: Callable[[Future[SpoolRef]], SpoolRef]) -> SpoolRef | None:
-        if spooling is None:
-            return None
+    def _spooled(self, header: UpdateHeader, spooling: Future[SpoolRef],
+                 release: Callable[[], None]) -> SpoolRef:
+        """The synchronous driver's wait for the spool write; a failure refuses the update
+        (UNAVAILABLE, retryable) and gives its buffers back."""
         try:
-            return wait(spooling)
+            return spooling.result()
         except Exception as exc:  # noqa: BLE001 - disk full or failing: refused, retryable
             release()
             err = Unavailable(f"the update could not be spooled: {exc}"[:200])

@@ -12,7 +12,7 @@ from murmura.server import ServerConfig
 from murmura.simulation.config import SimulationConfig
 from murmura.simulation.data import SimulationData
 from murmura.simulation.engine import Simulation, SimulationResult
-from murmura.simulation.execution import Executor
+from murmura.simulation.execution import Executor, check_own_trainer_path
 from murmura.tasks import TaskConfig
 
 
@@ -23,11 +23,9 @@ def prepare_server(server: ServerConfig, sim: SimulationConfig, *,
     One seed for the run (the clients' training seed is the server's ``seed``), and, when
     ``wait_for_all_clients`` and every client is always online, the first round waits for all
     of them (``min_clients = clients``) so the first cohort is deterministic.
-
     """
-    if server.train.trainer == "zo" and (sim.executor in ("ray", "vmap") or sim.vectorise == "on"):
-        raise ValueError("the zeroth-order trainer runs in the loop or pool executor "
-                         f"(executor={sim.executor!r}, vectorise={sim.vectorise!r} asked)")
+    if server.train.trainer == "zo":  # refused before anything is built
+        check_own_trainer_path("the zeroth-order trainer", sim.executor, sim.vectorise)
     if server.train.seed != server.seed:
         server = dataclasses.replace(server, train=dataclasses.replace(server.train,
                                                                        seed=server.seed))

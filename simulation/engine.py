@@ -102,6 +102,7 @@ from murmura.simulation.execution import (
     JobResult,
     LoopExecutor,
     PoolExecutor,
+    check_own_trainer_path,
     default_workers,
     has_own_train,
 )
@@ -311,10 +312,9 @@ class Simulation:
         if self.settings.trainer == "zo" or own_train:
             # each client's own trainer (a ZOTrainer's step log is what it pushes; an app's
             # train function runs on the client's own data): not vectorised, not on Ray
-            what = "an app's own train()" if own_train else "the zeroth-order trainer"
-            if s.executor in ("ray", "vmap") or s.vectorise == "on":
-                raise ValueError(f"{what} runs in the loop or pool executor "
-                                 f"(executor={s.executor!r}, vectorise={s.vectorise!r} asked)")
+            what = "an app's own train() or loss()" if own_train else \
+                "the zeroth-order trainer"
+            check_own_trainer_path(what, s.executor, s.vectorise)
             self.probe_note = f"{what}: each client's own trainer"
             if s.executor == "pool" or (s.executor != "loop" and workers > 1):
                 return PoolExecutor(factory, train, shares, workers=workers, task=d.task)
@@ -564,9 +564,8 @@ class Simulation:
         self.core.add_download(nbytes)
         flight.version, flight.params = version, params
         self._pending.append(c)
-        compute = (flight.steps * float(self.devices.step_time_s[c]) if flight.steps
-                   else self._compute_s[c])
-        t = self.clock.now + self._latency[c] + nbytes / self._down[c] + compute
+        t = self.clock.now + self._latency[c] + nbytes / self._down[c] + \
+            self._compute_time(c, flight)
         self._schedule(t, _DONE, c)
 
     def _on_done(self, c: int) -> None:
@@ -607,6 +606,13 @@ class Simulation:
 
     # -- training ------------------------------------------------------------------------
 
+    def _compute_time(self, c: int, flight: _Flight) -> float:
+        """Virtual seconds client ``c`` trains this task: the server's step assignment
+        (FedCompass) at its speed, else its usual task time."""
+        if flight.steps:
+            return flight.steps * float(self.devices.step_time_s[c])
+        return self._compute_s[c]
+
     def _choose_codec(self, c: int, flight: _Flight) -> None:
         """``client_codec='auto'``: after a client's first push, its codec for the next
         updates from that push's virtual duration, by the client runtime's own rule."""
@@ -614,11 +620,9 @@ class Simulation:
         if flight.codec or flight.header is None:  # the trainer encoded it itself
             return
         push_s = self._latency[c] + flight.wire / self._up[c]
-        compute = (flight.steps * float(self.devices.step_time_s[c]) if flight.steps
-                   else self._compute_s[c])
         current = self._client_codec or self.settings.codec
-        choice = auto_switch(4 * self.spec.size, flight.header.payload_bytes, push_s, compute,
-                             current)
+        choice = auto_switch(4 * self.spec.size, flight.header.payload_bytes, push_s,
+                             self._compute_time(c, flight), current)
         if choice is not None:
             name, options = choice
             self._codec_of[c] = name

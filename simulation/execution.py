@@ -202,6 +202,15 @@ class PoolExecutor(Executor):
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def check_own_trainer_path(what: str, executor: str, vectorise: str) -> None:
+    """Refuse the paths a client's own trainer (the zeroth-order trainer, an app's own train
+    or loss) cannot take: it runs in the loop or the pool executor, not vectorised, not on
+    Ray."""
+    if executor in ("ray", "vmap") or vectorise == "on":
+        raise ValueError(f"{what} runs in the loop or pool executor "
+                         f"(executor={executor!r}, vectorise={vectorise!r} asked)")
+
+
 def has_own_train(task: Task | None) -> bool:
     """Whether ``task`` is an app that brings its own ``train`` or ``loss`` function (the
     vectorised path trains with cross-entropy and Murmura's SGD only)."""
