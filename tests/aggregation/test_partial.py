@@ -21,7 +21,8 @@ from murmura.aggregation import (
     available_aggregators,
     create_aggregator,
 )
-from murmura.aggregation.partial import EXACT_LIMIT, LIMB_BITS, QUANTUM_BITS, _to_float64
+from murmura.aggregation.exact_sum import _to_float64
+from murmura.aggregation.partial import EXACT_LIMIT, LIMB_BITS, QUANTUM_BITS
 
 SIZE = 5
 U32 = 2.0**-24  # float32 unit roundoff

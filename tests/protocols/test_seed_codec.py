@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from murmura.protocols.codecs import seed as zo
+from murmura.protocols.codecs import seed_steps
 from murmura.protocols.codecs.base import CodecError, create_codec
 
 F32 = npt.NDArray[np.float32]
@@ -131,8 +132,8 @@ class TestExactReplay:
         fast, loop = torch.from_numpy(start.copy()), torch.from_numpy(start.copy())
 
         # Execute
-        zo._apply_steps_cpu(fast, steps, block)
-        zo._apply_steps_device(loop, steps, block)
+        seed_steps._apply_steps_cpu(fast, steps, block)
+        seed_steps._apply_steps_device(loop, steps, block)
 
         # Assert
         assert _digest(fast) == _digest(loop)

@@ -20,7 +20,7 @@ import torch
 
 from murmura.protocols import prng
 from murmura.protocols.codecs import seed as zo
-from murmura.protocols.codecs import seed_triton
+from murmura.protocols.codecs import seed_steps, seed_triton
 
 SIZES = [1, 31, 32, 33, 1000, 16_385, 100_003]
 
@@ -29,7 +29,7 @@ import json, sys
 import numpy as np, torch
 from murmura.protocols import prng
 from murmura.protocols.codecs import seed_triton
-from murmura.protocols.codecs.seed import _apply_steps_cpu
+from murmura.protocols.codecs.seed_steps import _apply_steps_cpu
 
 rng = np.random.default_rng(int(sys.argv[1]))
 out = []
@@ -62,7 +62,7 @@ def test_without_triton_a_cuda_theta_takes_the_exact_path_and_says_so(monkeypatc
                                                                        caplog) -> None:
     monkeypatch.setattr(seed_triton, "available", lambda device: False)
     with caplog.at_level(logging.WARNING):
-        ready = zo._fused_kernel_ready.__wrapped__(torch.device("cuda", 0))
+        ready = seed_steps._fused_kernel_ready.__wrapped__(torch.device("cuda", 0))
     assert not ready
     assert "triton is not available" in caplog.text and "pip install triton" in caplog.text
 
