@@ -50,11 +50,13 @@ def one_seed(seed: int, rounds: int, clients: int = CLIENTS) -> dict[str, Any]:
     train = TaskSettings(local_epochs=3, batch_size=16, lr=0.1, momentum=0.5)
     sim = SimulationConfig(clients=clients, step_time_s=0.05, speed_spread=SPREAD)
     t0 = time.perf_counter()
-    sync = simulate(task, ServerConfig(mode="sync", max_versions=rounds, seed=seed,
-                                       round_deadline_s=1e6, train=train), sim, out_dir=None)
+    sync = simulate(task, ServerConfig.from_flat(mode="sync", max_versions=rounds, seed=seed,
+                                                 round_deadline_s=1e6, train=train),
+                    sim, out_dir=None)
     budget = sync.virtual_s
-    fedbuff = simulate(task, ServerConfig(mode="async", max_versions=10**6, seed=seed,
-                                          buffer_size=BUFFER, max_staleness=100, train=train),
+    fedbuff = simulate(task, ServerConfig.from_flat(mode="async", max_versions=10**6, seed=seed,
+                                                    buffer_size=BUFFER, max_staleness=100,
+                                                    train=train),
                        SimulationConfig(clients=clients, step_time_s=0.05,
                                         speed_spread=SPREAD, max_time_s=budget),
                        out_dir=None)

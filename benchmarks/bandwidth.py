@@ -4,10 +4,11 @@ One run, same clients, split, seeds and number of versions for every method:
 
 * **codec targets** — 10 clients, Dirichlet(0.5) label skew on digits, an MLP 64-256-256-10
   (85 k parameters), synchronous rounds of all 10 clients through the real
-  :class:`~murmura.server.AggregatorCore`, each client a plain :class:`ClientRuntime` on an
-  in-process transport. First-order methods train with ``TorchTrainer`` (3 local epochs, batch
-  16, lr 0.1, momentum 0.5) and encode the delta with a codec: float32 FedAvg (``dense-f32``),
-  ``dense-f16``, ``int8``, ``int4``, ``topk`` (1 % and 10 %), ``sign``, ``proj``. The ratio
+  :class:`~murmura.server.AggregatorCore`, each client a plain :class:`ClientRuntime` on the
+  simulator's in-memory transport, whose pushes take the server's push pipeline. First-order
+  methods train with ``TorchTrainer`` (3 local epochs, batch 16, lr 0.1, momentum 0.5) and
+  encode the delta with a codec: float32 FedAvg (``dense-f32``), ``dense-f16``, ``int8``,
+  ``int4``, ``topk`` (1 % and 10 %), ``sign``, ``proj``. The ratio
   targets are taken here because on the default 4.8 k-parameter MLP the ~120-byte update header
   alone is a fifth of a 1-bit payload (see the note in RESULTS.md).
 * **digits from scratch, default MLP** (4 810 parameters) — the same, plus option variants, and
@@ -24,9 +25,10 @@ One run, same clients, split, seeds and number of versions for every method:
 * **~10 M parameters** — one ZO round of a 9.7 M-parameter MLP on the same data: the seed
   payload is the same size as for the 4 810-parameter model; other codecs' sizes are computed.
 
-Uplink bytes are what the gRPC transport would send for each push: the sum of
-``UpdateChunk.ByteSize()`` over ``serde.iter_update_chunks(header, payload)`` (header with
-session, ids, metrics and spec fingerprint included); downlink likewise from the Pull stream.
+Uplink bytes are what the gRPC transport would send for each push, as the in-memory transport
+counts them: the sum of ``UpdateChunk.ByteSize()`` over the push's chunk stream
+(``simulation.wire.update_wire_bytes``; header with session, ids, metrics and spec fingerprint
+included); downlink likewise from the Pull stream.
 Accuracy is on the held-out test set after each version. Torch runs on one thread.
 
 Run: ``python benchmarks/bandwidth.py [--quick | --smoke]``.
@@ -50,23 +52,20 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._report import Column, Report, parse_args, progress, pyplot  # noqa: E402
-from murmura.client import ClientRuntime, RemoteError, TorchTrainer, Trainer, Transport  # noqa: E402
+from murmura.client import ClientRuntime, TorchTrainer, Trainer  # noqa: E402
 from murmura.client.zo import ZOTrainer  # noqa: E402
 from murmura.protocols import (  # noqa: E402
-    DeviceProfile,
     FlatVector,
-    JoinProof,
-    JoinResult,
     ModelSpec,
     PushResult,
-    Task,
     TaskSettings,
     UpdateHeader,
     create_codec,
     serde,
 )
 from murmura.protocols.pool import POOL_SCALARS_CODEC  # noqa: E402
-from murmura.server import AggregatorCore, ServerConfig, ServiceError  # noqa: E402
+from murmura.server import AggregatorCore, ServerConfig  # noqa: E402
+from murmura.simulation.transport import InMemoryTransport, LocalAggregator  # noqa: E402
 from murmura.tasks import ArrayDataset, TaskConfig, evaluate, load_task, partition  # noqa: E402
 
 NAME = "bandwidth"
@@ -120,69 +119,60 @@ METHODS = [
 ]
 
 
-# -- the in-process wire ---------------------------------------------------------------------
+# -- the clients' transport ------------------------------------------------------------------
 
 
-class WireTransport(Transport):
-    """Calls the core directly; counts each push and pull as the gRPC stream would carry it."""
+class CountingTransport(InMemoryTransport):
+    """The simulator's in-memory transport, whose pushes take the server's one push pipeline,
+    plus the byte counts this benchmark reports: each accepted push's wire and payload bytes
+    (the wire bytes the transport adds to ``bytes_up``), each task's pulls, and the seed pool's
+    two pulls, which the simulator does not make."""
 
-    def __init__(self, core: AggregatorCore) -> None:
-        self.core = core
+    def __init__(self, aggregator: LocalAggregator) -> None:
+        super().__init__(aggregator)
         self.wire: list[int] = []
         self.payload: list[int] = []
         self.down: list[int] = []  # per task: wire bytes of the pulls made for it
         self._pulled = 0
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except ServiceError as exc:
-            raise RemoteError(exc.status, exc.message) from None
-
-    def _count_pull(self, version: int, spec: ModelSpec | None, codec: str, vector: FlatVector,
-                    base_version: int = 0) -> None:
+    def _pull_pool(self, version: int, spec: ModelSpec | None, codec: str, vector: FlatVector,
+                   base_version: int) -> FlatVector:
+        """Count a seed-pool pull as the gRPC Pull stream carries it (as the servicer does)."""
         items = serde.iter_model_items(version, spec, codec, memoryview(vector).cast("B"),
                                        base_version=base_version)
-        self._pulled += sum(serde.data_chunk_wire_bytes(len(i)) if isinstance(i, memoryview)
-                            else i.ByteSize() for i in items)
-
-    def challenge(self) -> bytes:
-        return self._call(lambda: self.core.challenge()[0])
-
-    def join(self, client_id: str, profile: DeviceProfile, token: str = "",
-             proof: JoinProof | None = None) -> tuple[JoinResult, ModelSpec]:
-        return self._call(lambda: self.core.join(client_id, profile, token=token,
-                                                 proof=proof)), self.core.spec
-
-    def task(self, session: str, wait_s: float) -> Task:
-        return self._call(lambda: self.core.task(session))
+        nbytes = sum(serde.data_chunk_wire_bytes(len(i)) if isinstance(i, memoryview)
+                     else i.ByteSize() for i in items)
+        self.aggregator.call(partial(self.aggregator.core.add_download, nbytes))
+        self._pulled += nbytes
+        return np.array(vector, dtype=np.float32, copy=True)
 
     def pull(self, session: str) -> tuple[int, FlatVector]:
-        version, params = self._call(lambda: self.core.model(session))
-        self._count_pull(version, self.core.spec, "dense-f32", params)
-        return version, np.array(params, dtype=np.float32, copy=True)
+        version, params = super().pull(session)
+        self._pulled += self.aggregator.model_wire(version)
+        return version, params
 
     def pull_pool_base(self, session: str) -> tuple[int, FlatVector]:
-        base_version, base = self._call(lambda: self.core.pool_base(session))
-        self._count_pull(base_version, self.core.spec, "dense-f32", base, base_version)
-        return base_version, np.array(base, dtype=np.float32, copy=True)
+        core = self.aggregator.core
+        base_version, base = self.aggregator.call(partial(core.pool_base, session))
+        return base_version, self._pull_pool(base_version, core.spec, "dense-f32", base,
+                                             base_version)
 
     def pull_pool_scalars(self, session: str) -> tuple[int, int, FlatVector]:
-        version, base_version, scalars = self._call(lambda: self.core.pool_scalars(session))
-        self._count_pull(version, None, POOL_SCALARS_CODEC, scalars, base_version)
-        return version, base_version, np.array(scalars, dtype=np.float32, copy=True)
+        core = self.aggregator.core
+        version, base_version, scalars = self.aggregator.call(partial(core.pool_scalars,
+                                                                      session))
+        return version, base_version, self._pull_pool(version, None, POOL_SCALARS_CODEC,
+                                                      scalars, base_version)
 
     def push(self, header: UpdateHeader, payload: bytes) -> PushResult:
-        wire = sum(chunk.ByteSize() for chunk in serde.iter_update_chunks(header, payload))
-        self.wire.append(wire)
-        self.payload.append(len(payload))
         if self._pulled:  # a retried push belongs to the task already counted
             self.down.append(self._pulled)
             self._pulled = 0
-        return self._call(lambda: self.core.push(header, payload, wire_bytes=wire))
-
-    def leave(self, session: str) -> None:
-        self._call(lambda: self.core.leave(session))
+        before = self.bytes_up
+        result = super().push(header, payload)
+        self.wire.append(self.bytes_up - before)
+        self.payload.append(len(payload))
+        return result
 
 
 # -- one federated run -----------------------------------------------------------------------
@@ -227,14 +217,16 @@ def federated_run(label: str, settings: TaskSettings, model_factory: Callable[[]
 
     # Unsigned legacy clients: the figures count payload bytes and headers as before (a
     # signature adds 66 bytes per update header, see docs/security.md).
-    config = ServerConfig(mode="sync", max_versions=versions, min_clients=len(shares),
-                          cohort_fraction=1.0, seed=0, train=settings, require_identity=False)
+    config = ServerConfig.from_flat(mode="sync", max_versions=versions, min_clients=len(shares),
+                                    cohort_fraction=1.0, seed=0, train=settings,
+                                    require_identity=False)
     core = AggregatorCore(config, spec, initial, evaluator=evaluator)
+    aggregator = LocalAggregator(core)
     transports, runtimes = [], []
     for i, share in enumerate(shares):
         trainer: Trainer = (ZOTrainer(model_factory(), share, device="cpu", return_params=False)
                             if zo else TorchTrainer(model_factory(), share, device="cpu"))
-        transport = WireTransport(core)
+        transport = CountingTransport(aggregator)
         runtime = ClientRuntime(transport, trainer, client_id=f"client-{i:02d}", wait_s=0)
         runtime._call(runtime._join)  # the loop below stands in for run()'s long polls
         transports.append(transport)
@@ -244,7 +236,7 @@ def federated_run(label: str, settings: TaskSettings, model_factory: Callable[[]
     t0 = time.perf_counter()
     while not core.done:
         for runtime in runtimes:
-            task = core.task(runtime.session)
+            task = aggregator.call(partial(core.task, runtime.session))
             if task.action.name == "TRAIN":
                 runtime.step(task.round, task.seed)
         row = core.last_metrics
@@ -554,12 +546,12 @@ def main(argv: list[str] | None = None) -> int:
     report.note(
         f"Every method: the same {NUM_CLIENTS} clients (digits, Dirichlet {ALPHA} label skew, "
         "data seed 0), initial model, server seed and synchronous rounds through the real "
-        "`AggregatorCore`; clients are `ClientRuntime`s on an in-process transport that counts "
-        "each push as the gRPC stream would carry it (`UpdateChunk.ByteSize()`, header "
-        "included). First-order: `TorchTrainer`, 3 local epochs, batch 16, lr 0.1, momentum "
-        f"0.5. Seed ZO: `ZOTrainer`, {ZO.local_steps} steps of batch {ZO.batch_size} per "
-        f"round, lr {ZO.lr}, eps {ZO.zo_eps}. Accuracy: the 359-image test set (one point is "
-        "3.6 images).")
+        "`AggregatorCore`; clients are `ClientRuntime`s on the simulator's in-memory transport, "
+        "whose pushes take the server's push pipeline and count as the gRPC stream would carry "
+        "them (`UpdateChunk.ByteSize()`, header included). First-order: `TorchTrainer`, 3 "
+        f"local epochs, batch 16, lr 0.1, momentum 0.5. Seed ZO: `ZOTrainer`, {ZO.local_steps} "
+        f"steps of batch {ZO.batch_size} per round, lr {ZO.lr}, eps {ZO.zo_eps}. Accuracy: the "
+        "359-image test set (one point is 3.6 images).")
     mid = partial(deep_mlp, MID_HIDDEN)
     mid_runs, mid_rows = digits_from_scratch(
         report, title=f"Codec targets, digits from scratch, MLP 64-{MID_HIDDEN}-{MID_HIDDEN}-10 "

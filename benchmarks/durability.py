@@ -45,9 +45,9 @@ def one_run(size: int, pushes: int, durable: bool, workdir: Path) -> dict[str, A
     out = Path(tempfile.mkdtemp(prefix="durable-" if durable else "plain-", dir=workdir))
     # The load generator joins and pushes raw, unsigned (legacy ids; docs/security.md), and
     # it is not a hostile client: no per-client rate limit.
-    config = ServerConfig(mode="async", buffer_size=BUFFER, max_staleness=10**6,
-                          max_versions=10**6, workers=0, seed=0, require_identity=False,
-                          push_per_s=0.0)
+    config = ServerConfig.from_flat(mode="async", buffer_size=BUFFER, max_staleness=10**6,
+                                    max_versions=10**6, workers=0, seed=0, require_identity=False,
+                                    push_per_s=0.0)
     core = assemble_core(config, spec, np.zeros(size, np.float32), out_dir=out,
                          durable=durable)
     rng = np.random.default_rng(0)

@@ -136,8 +136,8 @@ def sim_config(n: int, task: TaskConfig) -> SimulationConfig:
 def fedavg(task: TaskConfig, n: int, rounds: int, *, cohort: int = 0,
            epochs: int = EPOCHS) -> list[float]:
     """Accuracy per round of the server's sync FedAvg (same local work, same split)."""
-    server = ServerConfig(mode="sync", max_versions=rounds, train=settings(epochs),
-                          cohort_size=cohort, min_clients=min(cohort or n, n))
+    server = ServerConfig.from_flat(mode="sync", max_versions=rounds, train=settings(epochs),
+                                    cohort_size=cohort, min_clients=min(cohort or n, n))
     result = simulate(task, server, sim_config(n, task), out_dir=None)
     return [r["accuracy"] for r in result.rows if r.get("accuracy") is not None]
 

@@ -106,8 +106,8 @@ def federate(kind: str, task: Any, start: np.ndarray, rounds: int, local_steps: 
     else:
         train = TaskSettings(trainer="sgd", codec="int8", local_steps=local_steps,
                              batch_size=BATCH, lr=0.1, momentum=0.5, seed=seed)
-    config = ServerConfig(mode="sync", min_clients=CLIENTS, max_versions=rounds, workers=0,
-                          round_deadline_s=600, seed=seed, train=train)
+    config = ServerConfig.from_flat(mode="sync", min_clients=CLIENTS, max_versions=rounds,
+                                    workers=0, round_deadline_s=600, seed=seed, train=train)
     core = assemble_core(config, spec, start, out_dir=None, evaluator=evaluator,
                          checkpoint=False)
     before = evaluate(start)

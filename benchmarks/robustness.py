@@ -335,7 +335,7 @@ def run_cell(args: tuple[str, Scenario, str, int, int, int, TaskSettings]) -> di
         versions = max(1, math.ceil(rounds * total / buffer))
     sim = SimulationConfig(clients=total, speed_spread=1.0 if mode == "sync" else ASYNC_SPREAD,
                            availability="always", vectorise="off", workers=1, threads=1)
-    server = prepare_server(ServerConfig(
+    server = prepare_server(ServerConfig.from_flat(
         mode=mode, max_versions=versions, min_clients=total, cohort_fraction=1.0,
         buffer_size=buffer, max_staleness=50, defense=defence, seed=seed, train=settings), sim)
     own = sc.attack.startswith("backdoor") or sc.attack == "sybil-switch"

@@ -128,8 +128,8 @@ def one_policy(mode: str, seed: int, budget_s: float, clients: int = CLIENTS, *,
         elif mode == "compass-fedbuff":  # each update 1/K of a step, as in FedBuff's buffer
             extra["compass_step"] = "linear"
         mode = "compass"
-    server = ServerConfig(mode=mode, max_versions=10**6, seed=seed, train=train,
-                          server_lr=server_lr, **extra)
+    server = ServerConfig.from_flat(mode=mode, max_versions=10**6, seed=seed, train=train,
+                                    server_lr=server_lr, **extra)
     sim = SimulationConfig(clients=clients, step_time_s=0.05, speed_spread=SPREAD,
                            stragglers=STRAGGLERS, straggler_factor=STRAGGLER_FACTOR,
                            max_time_s=budget_s)

@@ -89,7 +89,8 @@ def _server_main(conn: Any, size: int, config: dict[str, Any]) -> None:
 
     train = TaskSettings(**config.pop("train", {}))
     # The load generator joins and pushes raw, unsigned (legacy ids; docs/security.md).
-    cfg = ServerConfig(address="127.0.0.1:0", train=train, require_identity=False, **config)
+    cfg = ServerConfig.from_flat(address="127.0.0.1:0", train=train, require_identity=False,
+                                 **config)
     spec = ModelSpec((TensorSpec("w", (size,)),))
     core = AggregatorCore(cfg, spec, np.zeros(size, np.float32))
     srv = ServerThread(core, "127.0.0.1:0").start()
@@ -443,15 +444,15 @@ def hierarchy(versions: int) -> dict[str, Any]:
         return str(path)
 
     def top(min_clients: int, leaf_keys: str = "") -> Any:
-        return build_core(ServerConfig(mode="sync", min_clients=min_clients, workers=0,
-                                       max_versions=versions, accumulator="exact",
-                                       leaf_keys=leaf_keys),
+        return build_core(ServerConfig.from_flat(mode="sync", min_clients=min_clients, workers=0,
+                                                 max_versions=versions, accumulator="exact",
+                                                 leaf_keys=leaf_keys),
                           task_cfg, out_dir=None, evaluate=False)
 
     def leaf(up: str, name: str, leaf_keys: str = "") -> Any:
-        return Leaf(ServerConfig(role="leaf", upstream=up, name=name, min_clients=2, workers=0,
-                                 accumulator="exact", key=str(key_file(name)),
-                                 leaf_keys=leaf_keys), task_cfg)
+        return Leaf(ServerConfig.from_flat(role="leaf", upstream=up, name=name, min_clients=2,
+                                           workers=0, accumulator="exact", key=str(key_file(name)),
+                                           leaf_keys=leaf_keys), task_cfg)
 
     core = top(4)
     with ServerThread(core, "127.0.0.1:0") as srv:

@@ -50,8 +50,8 @@ def murmura_worker(clients: int, rounds: int) -> dict[str, Any]:
     stamps: list[float] = []
     cpu: list[float] = []  # this process's CPU seconds (every thread) at each round's end
     task = TaskConfig(task="synthetic", model="logreg", partition="iid")
-    server = ServerConfig(max_versions=rounds, round_deadline_s=1e9, seed=0,
-                          train=TaskSettings(local_epochs=1, batch_size=BATCH, lr=LR,
+    server = ServerConfig.from_flat(max_versions=rounds, round_deadline_s=1e9, seed=0,
+                                    train=TaskSettings(local_epochs=1, batch_size=BATCH, lr=LR,
                                              momentum=0.0))
     with tempfile.TemporaryDirectory() as out:
         sim = SimulationConfig(clients=clients, samples_per_client=PER_CLIENT, out=out)

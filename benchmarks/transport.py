@@ -158,10 +158,11 @@ class RawClient:
 
 def make_core(p: int) -> AggregatorCore:
     spec = ModelSpec((TensorSpec("weights", (p,)),))
-    config = ServerConfig(mode="async", buffer_size=10**6, max_versions=10**6,
-                          max_payload_mb=512, max_staleness=10**6,
-                          push_per_s=0.0,  # one client pushing back to back: no rate limit
-                          require_identity=False)  # raw unsigned pushes (docs/security.md)
+    config = ServerConfig.from_flat(
+        mode="async", buffer_size=10**6, max_versions=10**6, max_payload_mb=512,
+        max_staleness=10**6,
+        push_per_s=0.0,  # one client pushing back to back: no rate limit
+        require_identity=False)  # raw unsigned pushes (docs/security.md)
     initial = np.random.default_rng(1).standard_normal(p, dtype=np.float32)
     return AggregatorCore(config, spec, initial)
 

@@ -28,7 +28,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from benchmarks._report import Column, Report, parse_args  # noqa: E402
 from murmura.server import _testjobs as jobs  # noqa: E402
-from murmura.server.workers import InlineBackend, ProcessBackend  # noqa: E402
+from murmura.server.process_backend import ProcessBackend  # noqa: E402
+from murmura.server.workers import InlineBackend  # noqa: E402
 
 
 async def cold_starts(method: str, n: int) -> list[float]:

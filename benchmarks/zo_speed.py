@@ -374,7 +374,7 @@ def measure_first_order(model_name: str, device: torch.device, *, quick: bool, s
                         repeats: int) -> list[dict[str, Any]]:
     """Examples/s of ``TorchTrainer.train`` against :func:`hand_loop` for one model, in fp32
     (and on CUDA in bf16), with and (on CUDA) without a CUDA graph. One row per precision."""
-    from murmura.client.trainer import TorchTrainer
+    from murmura.client.torch_trainer import TorchTrainer
     from murmura.tasks import ArrayDataset
 
     cuda = device.type == "cuda"

@@ -3,6 +3,8 @@
 Precedence: field defaults < the TOML file's table < flags given on the command line. A nested
 dataclass field (``ServerConfig.train``) reads from its own sub-table (``[server.train]``) or
 from flat keys in the parent table; on the command line its fields appear without a prefix.
+A config that names its keys itself (``flat_fields()``, built with ``from_flat(**keys)``:
+ServerConfig, whose sub-configs are written flat) is read by those keys.
 Unknown keys are errors, so a typo never silently does nothing.
 """
 
@@ -30,21 +32,41 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _keys(cls: type) -> list[tuple[type, str, Any, dataclasses.Field[Any]]]:
+    """(declaring class, name, type, field) for each key of a table for ``cls``: its fields,
+    or the keys it names itself (``flat_fields``)."""
+    flat = getattr(cls, "flat_fields", None)
+    if flat is None:
+        hints = _hints(cls)
+        return [(cls, f.name, hints[f.name], f) for f in dataclasses.fields(cls)]
+    return [(owner, name, _hints(owner)[name], f) for name, (owner, f) in flat().items()]
+
+
+def _nested(t: Any) -> bool:
+    """Whether a field of type ``t`` is a nested config (a sub-table, its keys also flat)."""
+    return isinstance(t, type) and dataclasses.is_dataclass(t)
+
+
+def _make(cls: type[C], kwargs: dict[str, Any]) -> C:
+    """``cls`` from its keys: ``from_flat`` for a config that names its keys, else ``cls``."""
+    make = getattr(cls, "from_flat", cls)
+    return make(**kwargs)
+
+
 def _flat_fields(cls: type) -> list[tuple[str, Any, dataclasses.Field[Any]]]:
     """(name, type, field) for every leaf field, nested dataclasses flattened."""
     return [(name, t, f) for _, name, t, f in _owned_fields(cls)]
 
 
 def _owned_fields(cls: type) -> list[tuple[type, str, Any, dataclasses.Field[Any]]]:
-    """(owning class, name, type, field) for every leaf field, nested dataclasses flattened."""
+    """(declaring class, name, type, field) for every leaf key, nested dataclasses
+    flattened."""
     out = []
-    hints = _hints(cls)
-    for f in dataclasses.fields(cls):
-        t = hints[f.name]
-        if isinstance(t, type) and dataclasses.is_dataclass(t):
+    for owner, name, t, f in _keys(cls):
+        if _nested(t):
             out.extend(_owned_fields(t))
         else:
-            out.append((cls, f.name, t, f))
+            out.append((owner, name, t, f))
     return out
 
 
@@ -103,10 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str,
 def known_keys(cls: type) -> tuple[set[str], dict[str, type]]:
     """The keys a table for ``cls`` may hold (its fields, and its nested dataclasses' fields
     written flat), and the nested dataclasses by field name (their own sub-tables)."""
-    hints = _hints(cls)
-    nested = {f.name: hints[f.name] for f in dataclasses.fields(cls)
-              if dataclasses.is_dataclass(hints[f.name])}
-    keys = {f.name for f in dataclasses.fields(cls)} | {n for n, _, _ in _flat_fields(cls)}
+    own = _keys(cls)
+    nested = {name: t for _, name, t, _ in own if _nested(t)}
+    keys = {name for _, name, _, _ in own} | {n for n, _, _ in _flat_fields(cls)}
     return keys, nested
 
 
@@ -133,28 +154,26 @@ def build(cls: type[C], table: dict[str, Any] | None = None,
 
 
 def _build(cls: type[C], table: dict[str, Any], given: dict[str, Any], where: str) -> C:
-    hints = _hints(cls)
     kwargs: dict[str, Any] = {}
-    names = {f.name for f in dataclasses.fields(cls)}
-    nested = {n for n in names if dataclasses.is_dataclass(hints[n])}
+    own = _keys(cls)
+    names = {name for _, name, _, _ in own}
     leaf_names = {n for n, _, _ in _flat_fields(cls)}
     for key in table:
         if key not in names and key not in leaf_names:
             raise ValueError(f"unknown key {key!r} in [{where}]; known: {', '.join(sorted(names))}")
-    for f in dataclasses.fields(cls):
-        t = hints[f.name]
-        if f.name in nested:
-            sub = dict(table.get(f.name, {}))
+    for _, name, t, _ in own:
+        if _nested(t):
+            sub = dict(table.get(name, {}))
             sub_names = {n for n, _, _ in _flat_fields(t)}
             sub.update({k: v for k, v in table.items() if k in sub_names and k not in names})
-            kwargs[f.name] = _build(t, sub, given, f"{where}.{f.name}")
+            kwargs[name] = _build(t, sub, given, f"{where}.{name}")
             continue
-        value = given.get(f.name, table.get(f.name, dataclasses.MISSING))
+        value = given.get(name, table.get(name, dataclasses.MISSING))
         if value is dataclasses.MISSING:
             continue
-        kwargs[f.name] = _coerce(value, t, f"{where}.{f.name}")
+        kwargs[name] = _coerce(value, t, f"{where}.{name}")
     try:
-        return cls(**kwargs)
+        return _make(cls, kwargs)
     except TypeError as exc:
         raise ValueError(f"[{where}]: {exc}") from None
 

@@ -76,11 +76,14 @@ FIELD_HELP: dict[str, dict[str, str]] = {
                  "skewed shares); > 0",
         "data_seed": "seed of the data split (the same on every machine)",
     },
-    "ServerConfig": {
+    "ServerConfig": {  # [server]; the keys of its sub-configs (below) are written flat there
         "address": "HOST:PORT to serve on (port 0: any free port, printed at start)",
         "mode": "{modes}: sync rounds over a cohort, async FedBuff steps every --buffer-size "
                 "updates, or compass (FedCompass: local steps per client from its speed)",
         "max_versions": "stop after this many global model versions (>= 1)",
+        "seed": "seed of the run: cohorts, client keys (murmura run) and training",
+    },
+    "PolicyConfig": {
         "cohort_size": "sync: clients per round (0: --cohort-fraction of the joined clients)",
         "cohort_fraction": "sync: share of the joined clients in each round's cohort, in (0, 1]",
         "min_clients": "clients that must have joined before the first round (>= 1)",
@@ -107,6 +110,8 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "server_lr": "server learning rate (> 0)",
         "accumulator": "{accumulators}: float32 (fast) or exact (order-independent, "
                        "bit-identical; fedavg only)",
+    },
+    "TierConfig": {
         "workers": "decoding workers: -1 autoscaled worker processes, 0 in this process, N at "
                    "most N processes",
         "max_workers": "most worker processes when autoscaled (0: cores - 1)",
@@ -115,12 +120,10 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "slab_mb": "shared memory (MB) for payloads and decoded updates in flight",
         "backend": "where decoding workers run: {backends}",
         "ray_address": "backend ray: a cluster address (empty: start a local Ray)",
-        "role": "{roles}: top aggregator, or leaf (folds its clients' updates and pushes "
-                "them to --upstream)",
-        "upstream": "leaf: the parent aggregator's HOST:PORT",
-        "name": "leaf: its name in logs",
-        "max_payload_mb": "refuse updates larger than this many MB",
+    },
+    "SecurityConfig": {
         "join_token": "clients must present this token at Join (empty: none needed)",
+        "max_payload_mb": "refuse updates larger than this many MB",
         "session_ttl_s": "a session unused this long expires (0: never)",
         "dedup_ttl_s": "counted update ids, payload hashes and ended sessions are remembered "
                        "this long (and at most 100,000 of each): a push retried later counts "
@@ -129,7 +132,12 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "max_sessions": "joins beyond this many live sessions are refused",
         "join_per_s": "joins per second per client id, bursts of 10 (0: no limit)",
         "push_per_s": "pushes per second per client id, bursts of 50 (0: no limit)",
-        "seed": "seed of the run: cohorts, client keys (murmura run) and training",
+    },
+    "LeafConfig": {
+        "role": "{roles}: top aggregator, or leaf (folds its clients' updates and pushes "
+                "them to --upstream)",
+        "upstream": "leaf: the parent aggregator's HOST:PORT",
+        "name": "leaf: its name in logs",
     },
     "TaskSettings": {  # [server.train]: what the server tells clients to do
         "trainer": "local training: sgd, or zo (zeroth-order, forward passes only)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -90,4 +91,10 @@ def scaffold(name: str, directory: str | Path = ".", *, force: bool = False) -> 
     return path
 
 
-__all__ = ["TEMPLATE", "scaffold"]
+def cmd_new(args: argparse.Namespace) -> int:
+    path = scaffold(args.name, args.dir, force=args.force)
+    print(f"wrote {path}; run it with: murmura run --app {path} --in-process")
+    return 0
+
+
+__all__ = ["TEMPLATE", "cmd_new", "scaffold"]

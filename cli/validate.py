@@ -49,7 +49,7 @@ TABLES: dict[str, str] = {
     "task": "murmura.tasks:TaskConfig",
     "server": "murmura.server:ServerConfig",
     "client": "murmura.client:ClientConfig",
-    "run": "murmura.cli:RunConfig",
+    "run": "murmura.run:RunConfig",
     "simulation": "murmura.simulation.config:SimulationConfig",
     "gossip": "murmura.gossip:GossipConfig",
     "peer": "murmura.gossip:PeerConfig",
@@ -325,7 +325,7 @@ def _options(value: Any, flag: str) -> dict[str, str]:
 
 @check("run")
 def _run(args: argparse.Namespace, toml: dict[str, Any]) -> None:
-    from murmura.cli import RunConfig
+    from murmura.run import RunConfig
 
     run = build(RunConfig, toml.get("run"), args, section="run")
     if run.gossip:
@@ -339,8 +339,8 @@ def _run(args: argparse.Namespace, toml: dict[str, Any]) -> None:
 def _server(args: argparse.Namespace, toml: dict[str, Any]) -> None:
     check_address(_given(args, toml, "server", "address", "127.0.0.1:0"), "--address")
     server = _server_side(args, toml)
-    if server.upstream:
-        check_address(server.upstream, "--upstream", allow_port_zero=False)
+    if server.leaf.upstream:
+        check_address(server.leaf.upstream, "--upstream", allow_port_zero=False)
     check_port_free(server.address, "--address")
     resume = getattr(args, "resume", None)
     if resume == "auto":

@@ -11,7 +11,8 @@ from murmura.client.rules import (
     make_encoder,
 )
 from murmura.client.runtime import ClientRuntime, ClientStats
-from murmura.client.trainer import FunctionTrainer, TorchTrainer, Trainer, TrainResult, delta_of
+from murmura.client.torch_trainer import TorchTrainer
+from murmura.client.trainer import FunctionTrainer, Trainer, TrainResult, delta_of
 from murmura.client.transport import GrpcTransport, RemoteError, Transport
 from murmura.client.zo import SettingsTrainer, ZOTrainer, make_trainer
 

@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from murmura.client.torch_trainer import TorchTrainer
 from murmura.client.trainer import (
     LossFn,
-    TorchTrainer,
     Trainer,
     TrainResult,
     count_examples,

@@ -36,7 +36,7 @@ def main() -> None:
     task = load_task(task_config)
 
     # 2. The aggregator: what clients train and how their updates become global versions.
-    server_config = ServerConfig(
+    server_config = ServerConfig.from_flat(
         mode="async" if args.async_ else "sync",
         max_versions=args.versions,
         min_clients=NUM_CLIENTS,     # sync: the first round waits for every client

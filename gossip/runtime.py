@@ -6,6 +6,9 @@ Its decisions (whom to send to, what to accept, how to mix) are :class:`PeerNode
 with the simulator. Sends run in the background with retries and backoff; a peer that stays
 unreachable is dropped from the view and not re-added from other peers' stale entries until it
 contacts this peer itself (or comes back at a new address).
+
+Joining and catching up are :mod:`murmura.gossip.joining`; what the peer answers to other
+peers (shuffles, model pushes, pulls, health, goodbyes) is :mod:`murmura.gossip.answers`.
 """
 
 from __future__ import annotations
@@ -23,45 +26,21 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from murmura.client import RemoteError, RetryPolicy, Trainer
+from murmura.gossip.answers import PeerAnswers, _push_fields
 from murmura.gossip.config import GossipConfig
-from murmura.gossip.errors import (
-    Aborted,
-    FailedPrecondition,
-    GossipError,
-    InvalidArgument,
-    Unavailable,
-    quote,
-)
-from murmura.gossip.identity import AddressBinding, check_well_formed
-from murmura.gossip.journal import RoundLogs, StepJournal, digest, replay
+from murmura.gossip.identity import AddressBinding
+from murmura.gossip.joining import PeerJoining
 from murmura.gossip.modest import ModestRounds
 from murmura.gossip.node import PeerNode, training_seed
-from murmura.gossip.transport import Health, HistoryRecord, PeerHandler, PeerTransport
-from murmura.protocols import (
-    CodecError,
-    FlatVector,
-    ModelSpec,
-    PeerInfo,
-    PeerModelHeader,
-    UnknownCodecError,
-    create_codec,
-)
-from murmura.protocols.identity import NodeKey, payload_digest, peer_message
+from murmura.gossip.transport import PeerTransport
+from murmura.protocols import FlatVector, ModelSpec, PeerInfo, PeerModelHeader
+from murmura.protocols.identity import NodeKey, peer_message
 
 log = logging.getLogger(__name__)
 
 __all__ = ["PeerRuntime", "PeerStats", "RoundReport"]
 
 UpdateHook = Callable[[FlatVector], FlatVector]
-
-
-def _push_fields(message_id: str, round_: int, num_examples: int, codec: str, fingerprint: str,
-                 payload: bytes | memoryview, kind: str = "") -> tuple[str | int | bytes, ...]:
-    """The fields of a model push a signature covers, the payload by its SHA-256 (and the
-    MoDeST kind, when there is one)."""
-    fields: tuple[str | int | bytes, ...] = (message_id, round_, num_examples, codec,
-                                             fingerprint, payload_digest(payload))
-    return (*fields, kind) if kind else fields
 
 
 @dataclass
@@ -90,7 +69,7 @@ class RoundReport:
     time_s: float
 
 
-class PeerRuntime(PeerHandler):
+class PeerRuntime(PeerJoining, PeerAnswers):
     """One peer identity driving a :class:`PeerNode` over a :class:`PeerTransport`.
 
     ``model`` is the starting model every peer of a run shares (default: the trainer's
@@ -204,104 +183,6 @@ class PeerRuntime(PeerHandler):
             except RemoteError:
                 pass
         self.transport.stop()
-
-    # -- joining
-
-    def _join(self) -> None:
-        if not self.bootstrap:
-            return
-        joined = False
-        backoff = self.retry.start(self.clock(), self._jitter)
-        while not joined:
-            hints: list[float] = []  # the busy bootstrap peers' retry hints
-            for address in self.bootstrap:
-                try:
-                    me = self.node.me()
-                    sender, peers, _ = self.transport.exchange(
-                        address, me, [], self.node.fingerprint,
-                        signature=self._sign("exchange", me, self.node.fingerprint))
-                except RemoteError as exc:
-                    if not exc.retryable:
-                        raise
-                    if exc.retry_after_s is not None:
-                        hints.append(exc.retry_after_s)
-                    continue
-                with self._lock:
-                    self.node.merge([PeerInfo(sender.peer_id, address, sender.round, 0),
-                                     *peers])
-                joined = True
-            if not joined:
-                # the soonest a busy bootstrap peer asked for; none when one was simply away
-                hint = min(hints) if len(hints) == len(self.bootstrap) else None
-                pause = backoff.next_pause(self.clock(), hint)
-                if pause is None:
-                    raise RemoteError("UNAVAILABLE", f"no bootstrap peer answered: "
-                                                     f"{', '.join(self.bootstrap)[:80]}")
-                self.stats.retries += 1
-                self._stop.wait(pause)
-        if self.catch_up:
-            self._catch_up()
-
-    def _catch_up(self) -> None:
-        """Continue from the most advanced known peer's model and round: in seed mode by
-        replaying its step logs on a snapshot (the run's starting model when the journal
-        still begins there, which this peer holds), else by pulling its model."""
-        with self._lock:
-            entries = sorted(self.node.view.entries(), key=lambda e: (-e.round, e.peer_id))
-        for e in entries:
-            if self.node.journal is not None and self._catch_up_by_replay(e.address,
-                                                                          e.peer_id):
-                return
-            try:
-                round_, model = self.transport.pull_model(e.address, self.peer_id)
-                self.spec.check_vector(model)
-            except (RemoteError, ValueError) as exc:
-                log.info("catch-up from %s failed: %s", e.peer_id, exc)
-                continue
-            if not np.isfinite(model).all():
-                continue
-            with self._lock:
-                self.node.model = model
-                self.node.round = max(self.node.round, int(round_))
-                if self.node.journal is not None:
-                    self.node.journal.rebase(self.node.round, model)
-            log.info("%s caught up from %s at round %d", self.peer_id, e.peer_id, round_)
-            return
-
-    def _catch_up_by_replay(self, address: str, peer_id: str) -> bool:
-        """Seed mode: the peer's snapshot (pulled only if this peer lacks it) and its step
-        logs since, replayed here. False (and nothing changed) when anything fails."""
-        journal = self.node.journal
-        assert journal is not None
-        try:
-            snapshot_round, sha, rounds = self.transport.pull_step_logs(address, self.peer_id)
-            with self._lock:
-                own = self.node.model.copy()
-            pulled = 0
-            if digest(own) == sha:
-                snapshot = own
-            else:
-                r, snapshot = self.transport.pull_model(address, self.peer_id, snapshot=True)
-                self.spec.check_vector(snapshot)
-                if r != snapshot_round or digest(snapshot) != sha:
-                    raise ValueError("the snapshot changed between the two pulls")
-                pulled = snapshot.nbytes
-            model = replay(snapshot, rounds, journal.decode)
-            if not np.isfinite(model).all():
-                raise ValueError("the replayed model is not finite")
-        except (RemoteError, ValueError, CodecError) as exc:
-            log.info("catch-up by replay from %s failed: %s", peer_id, str(exc)[:120])
-            return False
-        next_round = rounds[-1][0] + 1 if rounds else snapshot_round
-        with self._lock:
-            self.node.model = model
-            self.node.round = max(self.node.round, next_round)
-            journal.adopt(snapshot_round, snapshot, rounds)
-        self.stats.catch_up_bytes = pulled + sum(len(p) for _, logs in rounds for _, p in logs)
-        log.info("%s caught up from %s at round %d by replaying %d rounds of step logs "
-                 "(%d bytes%s)", self.peer_id, peer_id, next_round, len(rounds),
-                 self.stats.catch_up_bytes, ", snapshot included" if pulled else "")
-        return True
 
     # -- one round
 
@@ -454,169 +335,3 @@ class PeerRuntime(PeerHandler):
             return self.transport.health(address).peer_id == peer_id
         except RemoteError:
             return False
-
-    # -- PeerHandler: what this peer answers (runs on the server's threads)
-
-    def on_exchange(self, sender: PeerInfo, peers: Sequence[PeerInfo], fingerprint: str,
-                    signature: bytes, history: Sequence[HistoryRecord] = ()
-                    ) -> tuple[PeerInfo, list[PeerInfo], list[HistoryRecord]]:
-        if fingerprint != self.node.fingerprint:
-            raise FailedPrecondition(f"model spec {quote(fingerprint, 24)} differs from this "
-                                     f"peer's {self.node.fingerprint}")
-        self.identity.check(sender.peer_id, sender.address, public_key=sender.public_key,
-                            signature=signature, message=peer_message(
-                                "exchange", sender.peer_id, sender.address, sender.public_key,
-                                fingerprint))
-        with self._lock:
-            reply = self.node.shuffle_answer(sender, peers)
-            mine = self.node.history_offer(self._rand)
-            self.node.take_history(history)
-            return self.node.me(), reply, mine
-
-    def check_header(self, header: PeerModelHeader) -> int:
-        # a signature covers the payload: checked in on_model, once the payload is in; an
-        # unsigned id is bound only once its model is taken (a refused push binds nothing)
-        self.identity.check(header.sender.peer_id, header.sender.address,
-                            public_key=header.sender.public_key, signature=None, bind=False)
-        try:
-            codec = create_codec(header.codec)
-        except (UnknownCodecError, CodecError):
-            raise InvalidArgument(f"unknown codec {quote(header.codec)}") from None
-        if codec.needs_reference and not (self.config.seed_mode and header.codec == "seed"):
-            raise InvalidArgument(f"codec {header.codec!r} needs a reference model; this peer "
-                                  f"takes whole models" + ("" if self.config.seed_mode
-                                                          else " (seed mode is off)"))
-        if self.config.seed_mode and header.codec != "seed":
-            raise InvalidArgument(f"this peer runs seed mode and takes codec 'seed' only, got "
-                                  f"{quote(header.codec)}")
-        with self._lock:
-            self.node.check_model(header.sender.peer_id, header.round, header.num_examples,
-                                  header.spec_fingerprint)
-        return codec.max_payload_bytes(self.spec.size) or 4 * self.spec.size + 4096
-
-    def on_model(self, header: PeerModelHeader, payload: bytes | memoryview) -> tuple[bool, int]:
-        sender = header.sender
-        if sender.public_key:
-            self.identity.check(sender.peer_id, sender.address, public_key=sender.public_key,
-                                signature=header.signature, message=peer_message(
-                                    "push", sender.peer_id, sender.address, sender.public_key,
-                                    *_push_fields(header.message_id, header.round,
-                                                  header.num_examples, header.codec,
-                                                  header.spec_fingerprint, payload,
-                                                  header.kind)))
-        if self.modest is not None or header.kind:
-            return self._take_modest(header, payload)
-        try:
-            codec = create_codec(header.codec)
-            if codec.needs_reference:  # seed mode: replay the step log on the round's base
-                with self._lock:
-                    if header.round > self.node.round and header.round not in self.node.bases:
-                        # a log for a round this peer has not started: replayed when it does
-                        if len(self._early) >= 8 * self.config.view_size:
-                            raise Aborted("too many step logs for future rounds; retry later")
-                        self._early.append((header, bytes(payload)))
-                        return True, self.node.round
-                    reference = self.node.base(header.round)
-                model = codec.decode(payload, self.spec.size, reference=reference)
-                return self._take(header, model, bytes(payload))
-            model = codec.decode(payload, self.spec.size)
-        except CodecError as exc:
-            raise InvalidArgument(f"model payload does not decode: {str(exc)[:80]}") from None
-        return self._take(header, model)
-
-    def _take_modest(self, header: PeerModelHeader, payload: bytes | memoryview
-                     ) -> tuple[bool, int]:
-        """A MoDeST trained model or aggregate: decoded, checked, kept for its round."""
-        if self.modest is None:
-            raise InvalidArgument(f"kind {quote(header.kind)} belongs to topology 'modest'; "
-                                  f"this peer runs {self.config.topology!r}")
-        if header.codec != "dense-f32":
-            raise InvalidArgument(f"a modest run moves whole models (codec 'dense-f32'), got "
-                                  f"{quote(header.codec)}")
-        try:
-            model = create_codec(header.codec).decode(payload, self.spec.size)
-        except CodecError as exc:
-            raise InvalidArgument(f"model payload does not decode: {str(exc)[:80]}") from None
-        if model.shape != (self.spec.size,):
-            raise InvalidArgument(f"model has {model.size} values, expected {self.spec.size}")
-        if not np.isfinite(model).all():
-            raise InvalidArgument("model has non-finite values (NaN or infinity)")
-        with self._arrived:
-            taken = self.modest.accept(header.sender.peer_id, header.kind, header.round,
-                                       header.message_id, model, header.num_examples,
-                                       self._end)
-            self.stats.received += int(taken)
-            self.node.heard_from(header.sender)
-            round_ = self.node.round
-        if not header.sender.public_key:
-            self.identity.bind(header.sender.peer_id, header.sender.address)
-        return taken, round_
-
-    def _replay_early(self, round_: int) -> None:
-        """Seed mode, at the start of ``round_``: replay the step logs that came early."""
-        with self._lock:
-            due = [(h, p) for h, p in self._early if h.round == round_]
-            self._early = [(h, p) for h, p in self._early if h.round > round_]
-            reference = self.node.base(round_)
-        codec = create_codec("seed")
-        for header, payload in due:
-            try:
-                model = codec.decode(payload, self.spec.size, reference=reference)
-                self._take(header, model, payload)
-            except (CodecError, GossipError) as exc:
-                log.warning("%s: an early step log from %s was refused: %s", self.peer_id,
-                            header.sender.peer_id, exc)
-
-    def _take(self, header: PeerModelHeader, model: FlatVector,
-              payload: bytes = b"") -> tuple[bool, int]:
-        with self._arrived:
-            taken = self.node.receive(header.sender.peer_id, header.round, header.message_id,
-                                      model, header.num_examples, header.spec_fingerprint,
-                                      payload=payload)
-            self.stats.received += int(taken)
-            self._arrived.notify_all()
-            round_ = self.node.round
-            self.node.heard_from(header.sender)
-        if not header.sender.public_key:
-            self.identity.bind(header.sender.peer_id, header.sender.address)
-        return taken, round_
-
-    def on_pull(self, peer_id: str, snapshot: bool = False
-                ) -> tuple[int, ModelSpec, FlatVector]:
-        if self._stop.is_set():
-            raise Unavailable("this peer is leaving")
-        with self._lock:
-            if snapshot:
-                journal = self._journal()
-                return journal.snapshot_round, self.spec, journal.snapshot.copy()
-            return self.node.round, self.spec, self.node.model.copy()
-
-    def on_step_logs(self, peer_id: str) -> tuple[int, bytes, list[RoundLogs]]:
-        if self._stop.is_set():
-            raise Unavailable("this peer is leaving")
-        with self._lock:
-            journal = self._journal()
-            return journal.snapshot_round, digest(journal.snapshot), journal.entries()
-
-    def _journal(self) -> StepJournal:
-        if self.node.journal is None:
-            raise FailedPrecondition("this peer does not run seed mode: it keeps no step logs")
-        return self.node.journal
-
-    def on_health(self) -> Health:
-        with self._lock:
-            return Health(self.peer_id, self.node.round, len(self.node.view), self._training)
-
-    def on_goodbye(self, sender: PeerInfo, signature: bytes = b"") -> None:
-        check_well_formed(sender.peer_id, sender.address)
-        if sender.public_key:  # a signed goodbye: only the key bound to the id may say it
-            self.identity.check(sender.peer_id, sender.address, public_key=sender.public_key,
-                                signature=signature, message=peer_message(
-                                    "goodbye", sender.peer_id, sender.address,
-                                    sender.public_key))
-        elif self.identity.key_of(sender.peer_id) is not None:
-            return  # an unsigned goodbye for a signing peer: ignored
-        if self.identity.address_of(sender.peer_id) not in (None, sender.address):
-            return  # only the bound address may say goodbye for an id
-        with self._lock:
-            self.node.mark_dead(sender.peer_id, sender.address)

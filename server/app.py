@@ -56,7 +56,7 @@ def build_core(config: ServerConfig, task_config: TaskConfig, *, out_dir: str | 
     return assemble_core(config, spec, spec.flatten(model), out_dir=out_dir, resume=resume,
                          evaluator=evaluator, clock=clock, checkpoint=checkpoint,
                          fresh_metrics=fresh_metrics, durable=durable, run_config={
-                             "server": dataclasses.asdict(config),
+                             "server": config.table(),
                              "task": dataclasses.asdict(task_config), **(extra_config or {})})
 
 
@@ -75,7 +75,7 @@ def assemble_core(config: ServerConfig, spec: ModelSpec, initial: Any, *,
     store: AggregatorState | None = None
     stored = None
     if durable is not False:
-        if out_dir is None or not checkpoint or config.role != "top":
+        if out_dir is None or not checkpoint or config.leaf.role != "top":
             raise ValueError("durable state needs an output directory, checkpoints and the "
                              "top role")
         if isinstance(durable, AggregatorState):
@@ -165,16 +165,18 @@ class AggregatorServer:
 
     async def start(self) -> None:
         cfg = self.core.config
+        security = cfg.security
         credentials = None
-        if cfg.tls_cert:  # read and check the files first: a bad one fails before anything runs
-            credentials = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.client_ca or None)
-        elif not cfg.insecure and not is_loopback(self.requested_address):
+        if security.tls_cert:  # read and check the files first: a bad one fails before anything
+            credentials = server_credentials(security.tls_cert, security.tls_key,
+                                             security.client_ca or None)
+        elif not security.insecure and not is_loopback(self.requested_address):
             raise ValueError(f"refusing to serve plaintext on {self.requested_address[:60]}: "
                              f"give --tls-cert and --tls-key, or --insecure")
         loop = asyncio.get_running_loop()
         # The backend first, before this process has a gRPC server: a local Ray forks its
         # daemons here, and nothing is served yet that its start-up could stall.
-        self.tier = Tier.for_config(self.core.config, self.core.decoder)
+        self.tier = Tier.for_config(cfg.tier, self.core.decoder)
         warm_up = getattr(self.tier.backend, "warm_up", None)
         if warm_up is not None:  # the forkserver imports torch now, not in the first push
             await warm_up()
@@ -200,11 +202,11 @@ class AggregatorServer:
         self.core.add_listener(self._check_done)
         self._ticker = asyncio.create_task(self._tick())
         where = ("in-process" if self.tier.inline else
-                 f"{cfg.backend} workers, up to {cfg.worker_limit}")
-        security = ("mutual TLS" if cfg.client_ca else "TLS") if credentials else "plaintext"
+                 f"{cfg.tier.backend} workers, up to {cfg.tier.worker_limit}")
+        link = ("mutual TLS" if security.client_ca else "TLS") if credentials else "plaintext"
         log.info("aggregator listening on %s (mode=%s, decoding: %s, %s, identities %s)",
-                 self.address, cfg.mode, where, security,
-                 "required" if cfg.require_identity else "off")
+                 self.address, cfg.mode, where, link,
+                 "required" if security.require_identity else "off")
 
     def _check_done(self) -> None:
         if self.core.done:

@@ -315,7 +315,7 @@ class CompassPolicy(Policy):
         (:func:`murmura.server.compass.version_step` under ``compass_step``). Kept below what
         the accumulator can hold for this version's updates (``mass``: their largest |value|
         x weight, summed)."""
-        cfg = self.core.config
+        cfg = self.core.config.policy
         scale = version_step(max(count, 1), cfg.compass_step, cfg.compass_reference)
         if scale * mass > self.core.fold_limit:
             scale = self.core.fold_limit / mass

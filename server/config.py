@@ -1,7 +1,27 @@
-"""Typed, self-validating configuration of the aggregator service."""
+"""Typed, self-validating configuration of the aggregator service.
+
+:class:`ServerConfig` holds what identifies a run (where it serves, its mode and length, its
+seed, what clients train) and one frozen sub-config per concern, each checking its own fields:
+
+* ``policy`` (:class:`PolicyConfig`): when versions are made and how updates are combined;
+* ``tier`` (:class:`TierConfig`): where updates are decoded;
+* ``security`` (:class:`SecurityConfig`): who may join and push, over what, and how much;
+* ``leaf`` (:class:`LeafConfig`): a leaf aggregator's place in a hierarchy and its link up.
+
+``ServerConfig`` itself checks what spans them (a leaf needs a decomposable rule, plaintext
+needs a loopback address or ``insecure``, ...).
+
+People name the settings flat: ``--buffer-size 5`` on the command line, ``buffer_size = 5`` in
+a config file's ``[server]`` table. That flat namespace is defined here, once:
+:meth:`ServerConfig.from_flat` builds a config from flat keys (the command line, config files,
+tests and benchmarks all build configs this way), :meth:`ServerConfig.flat` gives them back,
+and code reads the nested fields (``config.policy.buffer_size``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib.util
 import math
 import os
@@ -10,6 +30,7 @@ from typing import Any
 
 from murmura.aggregation import (
     AggregationError,
+    Aggregator,
     available_aggregators,
     available_optimizers,
     create_aggregator,
@@ -26,19 +47,16 @@ ROLES = ("top", "leaf")
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    """How the aggregator accepts, weighs and applies updates.
+class PolicyConfig:
+    """When versions are made, and how the updates in one are combined.
 
-    ``mode='sync'`` runs rounds over a cohort; ``mode='async'`` applies a FedBuff step every
-    ``buffer_size`` updates; ``mode='compass'`` (FedCompass) gives each client between
-    ``compass_min_steps`` and ``compass_max_steps`` local steps from its measured speed so that
-    groups of clients arrive together, and makes one version per group. All refuse updates
-    more than ``max_staleness`` versions old.
+    Sync rounds run over a cohort; async (FedBuff) applies a step every ``buffer_size``
+    updates; compass (FedCompass) gives each client between ``compass_min_steps`` and
+    ``compass_max_steps`` local steps from its measured speed so that groups of clients arrive
+    together, and makes one version per group. All refuse updates more than ``max_staleness``
+    versions old. Which of these applies is the run's ``mode`` (:class:`ServerConfig`).
     """
 
-    address: str = "127.0.0.1:0"
-    mode: str = "sync"
-    max_versions: int = 30
     # sync rounds
     cohort_size: int = 0           # 0: use cohort_fraction of the joined clients
     cohort_fraction: float = 1.0
@@ -64,60 +82,8 @@ class ServerConfig:
     optimizer: str = "fedavg"
     server_lr: float = 1.0
     accumulator: str = "float32"   # float32 (fast) or exact (order-independent, bit-identical)
-    # the serverless aggregation tier: where updates are decoded
-    workers: int = -1              # -1: worker processes, 0..max_workers; 0: in-process; N: 0..N
-    max_workers: int = 0           # 0: cores - 1 (at least 1)
-    worker_idle_s: float = 10.0    # a worker idle this long stops
-    max_queue: int = 64            # updates waiting for a worker before pushes are refused
-    slab_mb: float = 2048.0        # shared memory for payloads and decoded updates in flight
-    backend: str = "process"       # process (local worker processes) or ray
-    ray_address: str = ""          # backend ray: a cluster address; empty starts a local Ray
-    # hierarchy
-    role: str = "top"              # top, or leaf: fold clients' updates and push upstream
-    upstream: str = ""             # leaf: the parent aggregator's HOST:PORT
-    name: str = ""                 # leaf: its name in logs (its id at the parent: its --key)
-    # limits and identity
-    max_payload_mb: float = 1024.0
-    join_token: str = ""
-    session_ttl_s: float = 3600.0  # a session unused this long expires (0: never)
-    max_sessions: int = 100_000    # joins beyond this many live sessions are refused
-    dedup_ttl_s: float = 3600.0    # counted update ids and payload hashes are kept this long
-    join_per_s: float = 1.0        # joins per second per client id, bursts of 10 (0: no limit)
-    push_per_s: float = 10.0       # pushes per second per client id, bursts of 50 (0: no limit)
-    seed: int = 0
-    # security (docs/security.md)
-    require_identity: bool = field(default=True, metadata={"help": (
-        "clients must prove an Ed25519 key at Join and sign every update (default: on; only "
-        "the in-memory simulator and old tests turn it off)")})
-    allowed_keys: str = field(default="", metadata={"help": (
-        "FILE of client public keys (hex, one a line, from `murmura keys new`); others are "
-        "refused")})
-    leaf_keys: str = field(default="", metadata={"help": (
-        "FILE of the public keys of leaf aggregators (hex, one a line: each leaf's --key .pub) "
-        "allowed to push partial aggregates here; without it partials are refused")})
-    tls_cert: str = field(default="", metadata={"help": "serve TLS with this certificate "
-                                                         "(PEM; from `murmura certs server`)"})
-    tls_key: str = field(default="", metadata={"help": "the private key of --tls-cert (PEM)"})
-    client_ca: str = field(default="", metadata={"help": (
-        "mutual TLS: require client certificates signed by this CA (PEM)")})
-    insecure: bool = field(default=False, metadata={"help": (
-        "allow plaintext on a non-loopback address (serving, or the leaf's upstream link)")})
-    key: str = field(default="", metadata={"help": (
-        "leaf: identity key FILE for the upstream link (default: a new ephemeral key)")})
-    upstream_tls_ca: str = field(default="", metadata={"help": (
-        "leaf: CA certificate that signed the parent's TLS certificate")})
-    upstream_tls_cert: str = field(default="", metadata={"help": (
-        "leaf: client certificate for a parent that requires mutual TLS")})
-    upstream_tls_key: str = field(default="", metadata={"help": (
-        "leaf: the private key of --upstream-tls-cert")})
-    # what clients do
-    train: TaskSettings = field(default_factory=TaskSettings)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.max_versions < 1:
-            raise ValueError(f"max_versions must be >= 1, got {self.max_versions}")
         if self.cohort_size < 0:
             raise ValueError(f"cohort_size must be >= 0, got {self.cohort_size}")
         if not 0 < self.cohort_fraction <= 1:
@@ -138,6 +104,28 @@ class ServerConfig:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.staleness not in STALENESS:
             raise ValueError(f"staleness must be one of {STALENESS}, got {self.staleness!r}")
+        if self.compass_step not in COMPASS_STEPS:
+            raise ValueError(f"compass_step must be one of {COMPASS_STEPS}, got "
+                             f"{self.compass_step!r}")
+        if self.compass_step_updates < 0:
+            raise ValueError(f"compass_step_updates must be >= 0 (0: buffer_size, "
+                             f"{self.buffer_size}), got {self.compass_step_updates}")
+        probe = self._probe()
+        if self.optimizer not in available_optimizers():
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; "
+                             f"available: {', '.join(available_optimizers())}")
+        if not self.server_lr > 0:
+            raise ValueError(f"server_lr must be positive, got {self.server_lr}")
+        if self.accumulator not in ACCUMULATORS:
+            raise ValueError(f"accumulator must be one of {ACCUMULATORS}, got "
+                             f"{self.accumulator!r}")
+        if self.accumulator == "exact" and not getattr(probe, "decomposable", False):
+            raise ValueError(f"accumulator 'exact' needs a decomposable rule (fedavg); defense "
+                             f"{self.defense!r} aggregates the whole buffer")
+
+    def _probe(self) -> Aggregator:
+        """One small instance of the rule, so that bad options fail now, not at the first
+        round."""
         if self.defense not in available_aggregators():
             raise ValueError(f"unknown defense {self.defense!r}; "
                              f"available: {', '.join(available_aggregators())}")
@@ -147,28 +135,40 @@ class ServerConfig:
             if not (isinstance(head, int) and head >= 0):
                 raise ValueError(f"defense 'default': head must be a whole number of values "
                                  f">= 0, got {head!r}")
-        try:  # build one small instance so bad options fail now, not at the first round
-            probe = create_aggregator(self.defense, 16, **kwargs)
+        try:
+            return create_aggregator(self.defense, 16, **kwargs)
         except (AggregationError, TypeError) as exc:
             raise ValueError(f"defense {self.defense!r}: {exc}") from None
-        if self.optimizer not in available_optimizers():
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; "
-                             f"available: {', '.join(available_optimizers())}")
-        try:
-            pool = seed_pool_for(self.train)
-        except CodecError as exc:
-            raise ValueError(f"train.codec_options: {exc}") from None
-        if pool is not None and self.optimizer != "fedavg":
-            raise ValueError(f"a seed pool (codec 'seed' with pool={len(pool)}) aggregates in "
-                             f"pool coordinates, where only the linear 'fedavg' server optimizer "
-                             f"is defined; got optimizer {self.optimizer!r}")
-        if self.accumulator not in ACCUMULATORS:
-            raise ValueError(f"accumulator must be one of {ACCUMULATORS}, got "
-                             f"{self.accumulator!r}")
-        decomposable = bool(getattr(probe, "decomposable", False))
-        if self.accumulator == "exact" and not decomposable:
-            raise ValueError(f"accumulator 'exact' needs a decomposable rule (fedavg); defense "
-                             f"{self.defense!r} aggregates the whole buffer")
+
+    @property
+    def decomposable(self) -> bool:
+        """Whether the rule folds update by update, so that a sum of partial aggregates is
+        the aggregate (a leaf's partials, the exact accumulator)."""
+        return bool(getattr(self._probe(), "decomposable", False))
+
+    @property
+    def compass_reference(self) -> int:
+        """N of ``compass_step``: ``compass_step_updates``, else ``buffer_size``."""
+        return self.compass_step_updates or self.buffer_size
+
+    def defense_kwargs(self) -> dict[str, Any]:
+        """``defense_options`` with numbers parsed (``none`` means None)."""
+        return {k.replace("-", "_"): _parse_option(v) for k, v in self.defense_options.items()}
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The serverless aggregation tier: where updates are decoded, and how much may wait."""
+
+    workers: int = -1              # -1: worker processes, 0..max_workers; 0: in-process; N: 0..N
+    max_workers: int = 0           # 0: cores - 1 (at least 1)
+    worker_idle_s: float = 10.0    # a worker idle this long stops
+    max_queue: int = 64            # updates waiting for a worker before pushes are refused
+    slab_mb: float = 2048.0        # shared memory for payloads and decoded updates in flight
+    backend: str = "process"       # process (local worker processes) or ray
+    ray_address: str = ""          # backend ray: a cluster address; empty starts a local Ray
+
+    def __post_init__(self) -> None:
         if self.workers < -1:
             raise ValueError(f"workers must be -1 (autoscaled worker processes), 0 (decode "
                              f"in-process) or N > 0 (at most N workers), got {self.workers}")
@@ -187,92 +187,6 @@ class ServerConfig:
             raise ValueError('backend \'ray\': Ray is not installed: pip install "murmura[ray]"')
         if self.ray_address and self.backend != "ray":
             raise ValueError("ray_address is only for backend 'ray'")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.role == "leaf":
-            if not self.upstream:
-                raise ValueError("role 'leaf' needs upstream HOST:PORT (the parent aggregator)")
-            if not decomposable:
-                raise ValueError(f"a leaf forwards a partial aggregate, which needs a "
-                                 f"decomposable rule (fedavg); defense {self.defense!r} needs "
-                                 f"every update: run it at the top")
-        elif self.upstream:
-            raise ValueError("upstream is only for role 'leaf'")
-        if not self.server_lr > 0:
-            raise ValueError(f"server_lr must be positive, got {self.server_lr}")
-        if not self.max_payload_mb > 0:
-            raise ValueError(f"max_payload_mb must be positive, got {self.max_payload_mb}")
-        for name in ("session_ttl_s", "dedup_ttl_s", "join_per_s", "push_per_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {value}")
-        if self.mode == "compass":
-            self.compass_bounds()  # raises ValueError on bad bounds
-        elif self.compass_max_steps or self.compass_min_steps:
-            raise ValueError("compass_max_steps and compass_min_steps are for mode 'compass'")
-        if self.compass_step not in COMPASS_STEPS:
-            raise ValueError(f"compass_step must be one of {COMPASS_STEPS}, got "
-                             f"{self.compass_step!r}")
-        if self.compass_step_updates < 0:
-            raise ValueError(f"compass_step_updates must be >= 0 (0: buffer_size, "
-                             f"{self.buffer_size}), got {self.compass_step_updates}")
-        if self.max_sessions < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
-        self._check_security()
-
-    def _check_security(self) -> None:
-        from murmura.protocols.tls import is_loopback
-
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("TLS needs both tls_cert and tls_key (--tls-cert, --tls-key)")
-        if self.client_ca and not self.tls_cert:
-            raise ValueError("client_ca (mutual TLS) needs tls_cert and tls_key too")
-        if not self.tls_cert and not self.insecure and not is_loopback(self.address):
-            raise ValueError(f"refusing to serve plaintext on {self.address[:60]}: give "
-                             f"--tls-cert and --tls-key (see docs/security.md), bind a loopback "
-                             f"address, or pass --insecure")
-        if self.leaf_keys and not self.require_identity:
-            raise ValueError("leaf_keys needs require_identity (leaves are told apart from "
-                             "clients by the key they prove)")
-        if self.allowed_keys and not self.require_identity:
-            raise ValueError("allowed_keys needs require_identity (an allow-list of keys "
-                             "means nothing when clients need not prove a key)")
-        if bool(self.upstream_tls_cert) != bool(self.upstream_tls_key):
-            raise ValueError("upstream_tls_cert and upstream_tls_key go together")
-        if self.upstream_tls_cert and not self.upstream_tls_ca:
-            raise ValueError("upstream_tls_cert (mutual TLS) needs upstream_tls_ca")
-        if self.role == "leaf" and not self.upstream_tls_ca and not self.insecure \
-                and not is_loopback(self.upstream):
-            raise ValueError(f"refusing a plaintext upstream link to {self.upstream[:60]}: "
-                             f"give --upstream-tls-ca (see docs/security.md) or --insecure")
-        if self.role != "leaf" and (self.key or self.upstream_tls_ca):
-            raise ValueError("key and upstream_tls_* are for role 'leaf' (its upstream link)")
-
-    def compass_bounds(self) -> StepBounds:
-        """FedCompass's local step bounds and latest-arrival factor."""
-        q_max = self.compass_max_steps or self.train.local_steps
-        if q_max <= 0:
-            raise ValueError("mode 'compass' assigns local steps: set compass_max_steps (or "
-                             "train.local_steps) to a positive number")
-        q_min = self.compass_min_steps or max(1, round(q_max / 5))
-        if self.compass_min_steps < 0 or self.compass_max_steps < 0 or q_min > q_max:
-            raise ValueError(f"compass_min_steps {q_min} and compass_max_steps {q_max} need "
-                             f"1 <= min <= max (0 for a default: max = train.local_steps, min = "
-                             f"a fifth of max)")
-        return StepBounds(q_min, q_max, self.compass_latest_factor, self.compass_max_group)
-
-    @property
-    def compass_reference(self) -> int:
-        """N of ``compass_step``: ``compass_step_updates``, else ``buffer_size``."""
-        return self.compass_step_updates or self.buffer_size
-
-    def defense_kwargs(self) -> dict[str, Any]:
-        """``defense_options`` with numbers parsed (``none`` means None)."""
-        return {k.replace("-", "_"): _parse_option(v) for k, v in self.defense_options.items()}
-
-    @property
-    def max_payload_bytes(self) -> int:
-        return int(self.max_payload_mb * (1 << 20))
 
     @property
     def worker_limit(self) -> int:
@@ -281,6 +195,231 @@ class ServerConfig:
         if self.workers > 0:
             return self.workers
         return self.max_workers or max((os.cpu_count() or 2) - 1, 1)
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """Who may join and push (identities, keys, a token), over what (TLS), and how much
+    (payload size, sessions, rates); docs/security.md."""
+
+    require_identity: bool = field(default=True, metadata={"help": (
+        "clients must prove an Ed25519 key at Join and sign every update (default: on; only "
+        "the in-memory simulator and old tests turn it off)")})
+    allowed_keys: str = field(default="", metadata={"help": (
+        "FILE of client public keys (hex, one a line, from `murmura keys new`); others are "
+        "refused")})
+    leaf_keys: str = field(default="", metadata={"help": (
+        "FILE of the public keys of leaf aggregators (hex, one a line: each leaf's --key .pub) "
+        "allowed to push partial aggregates here; without it partials are refused")})
+    join_token: str = ""
+    tls_cert: str = field(default="", metadata={"help": "serve TLS with this certificate "
+                                                         "(PEM; from `murmura certs server`)"})
+    tls_key: str = field(default="", metadata={"help": "the private key of --tls-cert (PEM)"})
+    client_ca: str = field(default="", metadata={"help": (
+        "mutual TLS: require client certificates signed by this CA (PEM)")})
+    insecure: bool = field(default=False, metadata={"help": (
+        "allow plaintext on a non-loopback address (serving, or the leaf's upstream link)")})
+    max_payload_mb: float = 1024.0
+    session_ttl_s: float = 3600.0  # a session unused this long expires (0: never)
+    max_sessions: int = 100_000    # joins beyond this many live sessions are refused
+    dedup_ttl_s: float = 3600.0    # counted update ids and payload hashes are kept this long
+    join_per_s: float = 1.0        # joins per second per client id, bursts of 10 (0: no limit)
+    push_per_s: float = 10.0       # pushes per second per client id, bursts of 50 (0: no limit)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both tls_cert and tls_key (--tls-cert, --tls-key)")
+        if self.client_ca and not self.tls_cert:
+            raise ValueError("client_ca (mutual TLS) needs tls_cert and tls_key too")
+        if self.leaf_keys and not self.require_identity:
+            raise ValueError("leaf_keys needs require_identity (leaves are told apart from "
+                             "clients by the key they prove)")
+        if self.allowed_keys and not self.require_identity:
+            raise ValueError("allowed_keys needs require_identity (an allow-list of keys "
+                             "means nothing when clients need not prove a key)")
+        if not self.max_payload_mb > 0:
+            raise ValueError(f"max_payload_mb must be positive, got {self.max_payload_mb}")
+        for name in ("session_ttl_s", "dedup_ttl_s", "join_per_s", "push_per_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {value}")
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+
+    @property
+    def max_payload_bytes(self) -> int:
+        return int(self.max_payload_mb * (1 << 20))
+
+
+@dataclass(frozen=True)
+class LeafConfig:
+    """Where this aggregator sits in a hierarchy: the top, or a leaf that folds its clients'
+    updates and pushes the partial aggregate to its parent over an upstream link."""
+
+    role: str = "top"              # top, or leaf: fold clients' updates and push upstream
+    upstream: str = ""             # leaf: the parent aggregator's HOST:PORT
+    name: str = ""                 # leaf: its name in logs (its id at the parent: its --key)
+    key: str = field(default="", metadata={"help": (
+        "leaf: identity key FILE for the upstream link (default: a new ephemeral key)")})
+    upstream_tls_ca: str = field(default="", metadata={"help": (
+        "leaf: CA certificate that signed the parent's TLS certificate")})
+    upstream_tls_cert: str = field(default="", metadata={"help": (
+        "leaf: client certificate for a parent that requires mutual TLS")})
+    upstream_tls_key: str = field(default="", metadata={"help": (
+        "leaf: the private key of --upstream-tls-cert")})
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role == "leaf" and not self.upstream:
+            raise ValueError("role 'leaf' needs upstream HOST:PORT (the parent aggregator)")
+        if self.role != "leaf" and self.upstream:
+            raise ValueError("upstream is only for role 'leaf'")
+        if bool(self.upstream_tls_cert) != bool(self.upstream_tls_key):
+            raise ValueError("upstream_tls_cert and upstream_tls_key go together")
+        if self.upstream_tls_cert and not self.upstream_tls_ca:
+            raise ValueError("upstream_tls_cert (mutual TLS) needs upstream_tls_ca")
+        if self.role != "leaf" and (self.key or self.upstream_tls_ca):
+            raise ValueError("key and upstream_tls_* are for role 'leaf' (its upstream link)")
+
+
+#: ServerConfig's sub-configs by field name; their fields are flat keys of the server's.
+_GROUPS: dict[str, type] = {"policy": PolicyConfig, "tier": TierConfig,
+                            "security": SecurityConfig, "leaf": LeafConfig}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the aggregator accepts, weighs and applies updates.
+
+    Build one from flat keys, the flags' and config files' names:
+    ``ServerConfig.from_flat(mode="async", buffer_size=10, tls_cert=...)``; read it by concern:
+    ``config.policy.buffer_size``, ``config.security.tls_cert``. ``mode='sync'`` runs rounds
+    over a cohort; ``mode='async'`` applies a FedBuff step every ``policy.buffer_size``
+    updates; ``mode='compass'`` runs FedCompass (:class:`PolicyConfig`).
+    """
+
+    address: str = "127.0.0.1:0"
+    mode: str = "sync"
+    max_versions: int = 30
+    seed: int = 0
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    tier: TierConfig = field(default_factory=TierConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    leaf: LeafConfig = field(default_factory=LeafConfig)
+    # what clients do
+    train: TaskSettings = field(default_factory=TaskSettings)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.max_versions < 1:
+            raise ValueError(f"max_versions must be >= 1, got {self.max_versions}")
+        try:
+            pool = seed_pool_for(self.train)
+        except CodecError as exc:
+            raise ValueError(f"train.codec_options: {exc}") from None
+        policy = self.policy
+        if pool is not None and policy.optimizer != "fedavg":
+            raise ValueError(f"a seed pool (codec 'seed' with pool={len(pool)}) aggregates in "
+                             f"pool coordinates, where only the linear 'fedavg' server optimizer "
+                             f"is defined; got optimizer {policy.optimizer!r}")
+        if self.leaf.role == "leaf" and not policy.decomposable:
+            raise ValueError(f"a leaf forwards a partial aggregate, which needs a "
+                             f"decomposable rule (fedavg); defense {policy.defense!r} needs "
+                             f"every update: run it at the top")
+        if self.mode == "compass":
+            self.compass_bounds()  # raises ValueError on bad bounds
+        elif policy.compass_max_steps or policy.compass_min_steps:
+            raise ValueError("compass_max_steps and compass_min_steps are for mode 'compass'")
+        self._check_plaintext()
+
+    def _check_plaintext(self) -> None:
+        """Plaintext only on loopback, unless ``insecure`` says so: serving, and a leaf's
+        upstream link."""
+        from murmura.protocols.tls import is_loopback
+
+        security, leaf = self.security, self.leaf
+        if not security.tls_cert and not security.insecure and not is_loopback(self.address):
+            raise ValueError(f"refusing to serve plaintext on {self.address[:60]}: give "
+                             f"--tls-cert and --tls-key (see docs/security.md), bind a loopback "
+                             f"address, or pass --insecure")
+        if leaf.role == "leaf" and not leaf.upstream_tls_ca and not security.insecure \
+                and not is_loopback(leaf.upstream):
+            raise ValueError(f"refusing a plaintext upstream link to {leaf.upstream[:60]}: "
+                             f"give --upstream-tls-ca (see docs/security.md) or --insecure")
+
+    def compass_bounds(self) -> StepBounds:
+        """FedCompass's local step bounds and latest-arrival factor."""
+        p = self.policy
+        q_max = p.compass_max_steps or self.train.local_steps
+        if q_max <= 0:
+            raise ValueError("mode 'compass' assigns local steps: set compass_max_steps (or "
+                             "train.local_steps) to a positive number")
+        q_min = p.compass_min_steps or max(1, round(q_max / 5))
+        if p.compass_min_steps < 0 or p.compass_max_steps < 0 or q_min > q_max:
+            raise ValueError(f"compass_min_steps {q_min} and compass_max_steps {q_max} need "
+                             f"1 <= min <= max (0 for a default: max = train.local_steps, min = "
+                             f"a fifth of max)")
+        return StepBounds(q_min, q_max, p.compass_latest_factor, p.compass_max_group)
+
+    # -- the flat namespace -------------------------------------------------------------------
+
+    @classmethod
+    def flat_fields(cls) -> dict[str, tuple[type, dataclasses.Field[Any]]]:
+        """Every flat key, in order, with the class that declares its field (ServerConfig or
+        a sub-config): the flags and ``[server]`` keys. ``train`` is one key, a nested
+        :class:`TaskSettings` (its own ``[server.train]`` table)."""
+        return {key: (owner, f) for key, (_, owner, f) in _FLAT.items()}
+
+    @classmethod
+    def from_flat(cls, **values: Any) -> ServerConfig:
+        """A config from flat keys (``buffer_size=10, tls_cert=...``); keys left out keep
+        their defaults. An unknown key is a TypeError, as for any constructor."""
+        parts: dict[str, dict[str, Any]] = {"": {}, **{group: {} for group in _GROUPS}}
+        for key, value in values.items():
+            if key not in _FLAT:
+                close = difflib.get_close_matches(key, _FLAT, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"ServerConfig has no setting {key!r}{hint}")
+            parts[_FLAT[key][0]][key] = value
+        own = parts.pop("")
+        return cls(**own, **{group: _GROUPS[group](**kw) for group, kw in parts.items()})
+
+    def flat(self) -> dict[str, Any]:
+        """Every flat key with its value: ``ServerConfig.from_flat(**config.flat()) ==
+        config``."""
+        return {key: getattr(getattr(self, group) if group else self, key)
+                for key, (group, _, _) in _FLAT.items()}
+
+    def replace(self, **changes: Any) -> ServerConfig:
+        """This config with some flat keys changed (``dataclasses.replace`` by flat key); the
+        result checks itself whole again."""
+        return self.from_flat(**{**self.flat(), **changes})
+
+    def table(self) -> dict[str, Any]:
+        """The config as a config file's ``[server]`` table: flat keys, ``train`` as its
+        sub-table. What a run's summary.json records, readable back by the command line."""
+        return {**self.flat(), "train": dataclasses.asdict(self.train)}
+
+
+def _flat_namespace() -> dict[str, tuple[str, type, dataclasses.Field[Any]]]:
+    """flat key -> (sub-config field of ServerConfig, '' for its own; declaring class; field).
+    Two fields of one name would make a flag ambiguous: that fails at import."""
+    out: dict[str, tuple[str, type, dataclasses.Field[Any]]] = {}
+    for f in dataclasses.fields(ServerConfig):
+        sub = _GROUPS.get(f.name)
+        members = [(f.name, sub, g) for g in dataclasses.fields(sub)] if sub \
+            else [("", ServerConfig, f)]
+        for group, owner, g in members:
+            if g.name in out:
+                raise TypeError(f"flat key {g.name!r} of ServerConfig is declared twice "
+                                f"({out[g.name][1].__name__}, {owner.__name__})")
+            out[g.name] = (group, owner, g)
+    return out
+
+
+_FLAT = _flat_namespace()
 
 
 def _parse_option(value: str) -> Any:

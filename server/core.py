@@ -133,7 +133,8 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.version = 0
         self.params: FlatVector = np.array(initial, dtype=np.float32, copy=True)
-        optimizer = create_optimizer(config.optimizer, lr=config.server_lr)
+        security = config.security
+        optimizer = create_optimizer(config.policy.optimizer, lr=config.policy.server_lr)
         if start is not None:
             if start.spec_fingerprint != self.fingerprint:
                 raise ValueError(f"checkpoint is for model spec {start.spec_fingerprint}, "
@@ -141,19 +142,20 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
             spec.check_vector(start.params)
             self.version, self.params = start.version, start.params.copy()
             optimizer.load_state_dict(start.optimizer_state)
-        self.decoder = Decoder(spec.size, config.train, hash_payloads=config.require_identity)
+        self.decoder = Decoder(spec.size, config.train, hash_payloads=security.require_identity)
         #: Public keys allowed to join (None: any key that proves itself).
-        self.allowed_keys = load_public_keys(config.allowed_keys) if config.allowed_keys else None
+        self.allowed_keys = (load_public_keys(security.allowed_keys) if security.allowed_keys
+                             else None)
         #: Public keys of the leaf aggregators that may push partial aggregates.
-        self.leaf_keys = load_public_keys(config.leaf_keys) if config.leaf_keys else frozenset()
+        self.leaf_keys = load_public_keys(security.leaf_keys) if security.leaf_keys else frozenset()
         self._challenges: OrderedDict[bytes, float] = OrderedDict()
         #: SHA-256 of counted payloads -> the client they were counted from (bounded in
         #: entries and age, like the other memories of past requests below).
-        self._counted: RecentMap[bytes, str] = RecentMap(SEEN_UPDATES, config.dedup_ttl_s, clock)
+        self._counted: RecentMap[bytes, str] = RecentMap(SEEN_UPDATES, security.dedup_ttl_s, clock)
         pool = self._start_pool(start)
         #: The FedKSeed state in a seed-pool run (see server/pool.py), else None.
         self.pool = pool
-        self.rule: ModelRule = (PoolRule(pool, lr=config.server_lr) if pool is not None
+        self.rule: ModelRule = (PoolRule(pool, lr=config.policy.server_lr) if pool is not None
                                 else OptimizerRule(optimizer))
         if pool is not None:
             self.params = pool.model()
@@ -163,17 +165,17 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
         self._history: OrderedDict[int, FlatVector] = OrderedDict({self.version: self.params})
         self.sessions: dict[str, ClientRecord] = {}
         self._session_of: dict[str, str] = {}
-        self._left: RecentMap[str, str] = RecentMap(SEEN_UPDATES, config.dedup_ttl_s, clock)
+        self._left: RecentMap[str, str] = RecentMap(SEEN_UPDATES, security.dedup_ttl_s, clock)
         #: Sessions from least to most recently used, for expiry.
         self._last_seen: OrderedDict[str, float] = OrderedDict()
         #: Sessions whose waiting call was cancelled by the client's side, and when.
         self._lost: dict[str, float] = {}
-        self._join_limit = RateLimiter(config.join_per_s, JOIN_BURST)
-        self._push_limit = RateLimiter(config.push_per_s, PUSH_BURST)
+        self._join_limit = RateLimiter(security.join_per_s, JOIN_BURST)
+        self._push_limit = RateLimiter(security.push_per_s, PUSH_BURST)
         #: Counted (client id, update id) -> staleness: a retried push is answered as a
         #: duplicate for as long as a client may retry it.
         self._seen: RecentMap[tuple[str, str], int] = RecentMap(SEEN_UPDATES,
-                                                                config.dedup_ttl_s, clock)
+                                                                security.dedup_ttl_s, clock)
         self._inflight: set[tuple[str, str]] = set()
         self._valid_header: UpdateHeader | None = None  # the last header check_header passed
         self.traffic = Traffic()
@@ -226,7 +228,7 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
         #: Sum of max |value| x weight of the updates folded since the last publish; an update
         #: that would take it past ``fold_limit`` is refused (see FOLD_LIMIT).
         self.fold_mass = 0.0
-        self.fold_limit = FOLD_LIMIT[config.accumulator]
+        self.fold_limit = FOLD_LIMIT[config.policy.accumulator]
         #: Extra figures for the metrics row (the serverless tier's workers and queue).
         self.row_extras: Callable[[], dict[str, Any]] | None = None
         policies: dict[str, Callable[[PolicyHost], Policy]] = {

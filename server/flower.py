@@ -14,7 +14,6 @@ and adds the rule's aggregate back to the global arrays.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -63,7 +62,7 @@ def flower_core(config: ServerConfig, ref: str, *, out_dir: str | Path | None,
              ", evaluated with its evaluate()" if evaluator else "")
     return assemble_core(config, trainer.spec, trainer.initial(), out_dir=out_dir,
                          resume=resume, evaluator=evaluator, durable=durable,
-                         run_config={"server": dataclasses.asdict(config), "flower_app": ref})
+                         run_config={"server": config.table(), "flower_app": ref})
 
 
 # -- strategies -------------------------------------------------------------------------------

@@ -132,7 +132,7 @@ class IntakeJob:
             from murmura.server.tier import Tier
 
             self._pipeline = PushPipeline(cast("AggregatorCore", self),
-                                          Tier(self.config, self.decoder))
+                                          Tier(self.config.tier, self.decoder))
         return self._pipeline
 
     def precheck(self, header: UpdateHeader) -> ClientRecord:
@@ -156,10 +156,10 @@ class IntakeJob:
             self._valid_header = header
         if rec is None:
             rec = self._record(header.session)
-        if header.payload_bytes > self.config.max_payload_bytes:
+        if header.payload_bytes > self.config.security.max_payload_bytes:
             raise ResourceExhausted(f"payload of {header.payload_bytes} bytes exceeds the limit "
-                                    f"of {self.config.max_payload_bytes}")
-        if self.config.require_identity and len(header.signature) != SIGNATURE_BYTES:
+                                    f"of {self.config.security.max_payload_bytes}")
+        if self.config.security.require_identity and len(header.signature) != SIGNATURE_BYTES:
             if not header.signature:
                 raise PermissionDenied("this server counts only signed updates; the update has "
                                        "no signature")
@@ -198,7 +198,7 @@ class IntakeJob:
             wait = self._push_limit.allow(rec.client_id, self.clock())
             if wait:
                 raise ResourceExhausted(f"client {quote(rec.client_id)} pushes too often (at "
-                                        f"most {self.config.push_per_s:g} per second)",
+                                        f"most {self.config.security.push_per_s:g} per second)",
                                         retry_after_s=wait)
             key = (rec.client_id, header.update_id)
             if key in self._seen:
@@ -259,7 +259,7 @@ class IntakeJob:
         try:
             if rec is None:  # decoded elsewhere: the client may have left meanwhile
                 rec = self._record(header.session)
-            if self.config.require_identity:
+            if self.config.security.require_identity:
                 self._check_signature(rec, header, digest)
             if self.finished:
                 raise FailedPrecondition(self._finished_message())

@@ -101,7 +101,7 @@ class Leaf:
     def __init__(self, config: ServerConfig, task_config: TaskConfig, *,
                  out_dir: str | Path | None = None, evaluate: bool = False,
                  connect_timeout_s: float = 30.0) -> None:
-        if config.role != "leaf":
+        if config.leaf.role != "leaf":
             raise ValueError("Leaf needs a config with role 'leaf'")
         self.config = config
         self.task_config = task_config
@@ -112,9 +112,9 @@ class Leaf:
         #: The leaf's identity at the parent (its id derives from the key): the parent folds
         #: a sync round in sorted id order, so give a persistent key (--key) for an order that
         #: is stable across restarts.
-        self.identity = NodeKey.load(config.key) if config.key else NodeKey.generate()
+        self.identity = NodeKey.load(config.leaf.key) if config.leaf.key else NodeKey.generate()
         #: How the leaf names itself in logs (its id at the parent is the key's).
-        self.name = config.name or _default_name(config.address)
+        self.name = config.leaf.name or _default_name(config.address)
         self.core: AggregatorCore | None = None
         self.server: AggregatorServer | None = None
         self.trainer: LeafTrainer | None = None
@@ -143,17 +143,17 @@ class Leaf:
                                       daemon=True)
         self._link.start()
         log.info("leaf %s serves clients on %s, upstream %s", self.name, self.server.address,
-                 self.config.upstream)
+                 self.config.leaf.upstream)
 
     def _upstream(self, timeout_s: float | None = None) -> GrpcTransport:
         """The link to the parent; with ``timeout_s``, calls and the first connection wait
         that long (a parent that starts after the leaf)."""
-        cfg = self.config
+        cfg, insecure = self.config.leaf, self.config.security.insecure
         tls = (ClientTls(cfg.upstream_tls_ca, cfg.upstream_tls_cert, cfg.upstream_tls_key)
                if cfg.upstream_tls_ca else None)
         if timeout_s is None:  # the transport's own defaults
-            return GrpcTransport(cfg.upstream, tls=tls, insecure=cfg.insecure)
-        return GrpcTransport(cfg.upstream, tls=tls, insecure=cfg.insecure, timeout_s=timeout_s,
+            return GrpcTransport(cfg.upstream, tls=tls, insecure=insecure)
+        return GrpcTransport(cfg.upstream, tls=tls, insecure=insecure, timeout_s=timeout_s,
                              connect_timeout_s=timeout_s)
 
     def _parent_settings(self) -> TaskSettings:
@@ -162,14 +162,14 @@ class Leaf:
         transport = self._upstream(timeout_s=self.connect_timeout_s)
         try:
             result, _ = transport.join_as(self.identity, DeviceProfile(device="leaf"),
-                                          self.config.join_token)
+                                          self.config.security.join_token)
         except RemoteError as exc:
+            parent = self.config.leaf.upstream
             if exc.retryable:
-                raise ValueError(f"cannot reach the parent aggregator at "
-                                 f"{self.config.upstream} (waited {self.connect_timeout_s:g} "
-                                 f"s): {exc.status}") from None
-            raise ValueError(f"the parent aggregator at {self.config.upstream} refused this "
-                             f"leaf: {exc.message}") from None
+                raise ValueError(f"cannot reach the parent aggregator at {parent} (waited "
+                                 f"{self.connect_timeout_s:g} s): {exc.status}") from None
+            raise ValueError(f"the parent aggregator at {parent} refused this leaf: "
+                             f"{exc.message}") from None
         finally:
             transport.close()
         return result.settings
@@ -181,7 +181,7 @@ class Leaf:
         try:
             runtime = ClientRuntime(transport, self.trainer, identity=self.identity,
                                     profile=DeviceProfile(device="leaf", device_name=self.address),
-                                    token=self.config.join_token,
+                                    token=self.config.security.join_token,
                                     fatal_refusals=LEAF_FATAL_REFUSALS)
             runtime.run()
             log.info("leaf %s: the parent says stop", self.name)

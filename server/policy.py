@@ -84,7 +84,7 @@ class PolicyHost(Protocol):
 
 
 def _staleness_fn(core: PolicyHost):  # noqa: ANN202
-    cfg = core.config
+    cfg = core.config.policy
     params = {"a": cfg.staleness_exponent} if cfg.staleness == "polynomial" else {}
     return staleness_function(cfg.staleness, **params)
 
@@ -101,7 +101,7 @@ def output_layer_values(spec: ModelSpec) -> int:
 
 def make_aggregator(core: PolicyHost) -> Aggregator:
     """The configured rule for vectors of the core's update size."""
-    cfg = core.config
+    cfg = core.config.policy
     options = cfg.defense_kwargs()
     if cfg.accumulator == "exact":
         options["exact"] = True  # config validation allows it only for decomposable rules
@@ -161,7 +161,7 @@ class Policy(ABC):
     def task_for(self, rec: ClientRecord) -> Task: ...
 
     def check_staleness(self, staleness: int) -> None:
-        limit = self.core.config.max_staleness
+        limit = self.core.config.policy.max_staleness
         if staleness > limit:
             raise FailedPrecondition(
                 f"update is {staleness} versions old (trained on version "
@@ -239,7 +239,7 @@ class SyncPolicy(Policy):
         self.task_s: dict[str, float] = {}
 
     def _maybe_open(self) -> None:
-        cfg = self.core.config
+        cfg = self.core.config.policy
         if self.core.publishing:  # the last round's version is not out yet
             return
         ids = sorted(self.core.active_client_ids())
@@ -248,7 +248,7 @@ class SyncPolicy(Policy):
         k = cfg.cohort_size or math.ceil(cfg.cohort_fraction * len(ids))
         k = max(min(k, len(ids)), 1)
         self.round += 1
-        rng = np.random.default_rng([cfg.seed, self.round])
+        rng = np.random.default_rng([self.core.config.seed, self.round])
         chosen = rng.choice(len(ids), size=k, replace=False) if k < len(ids) else range(len(ids))
         self.cohort = sorted(ids[i] for i in chosen)
         self._members = frozenset(self.cohort)
@@ -345,7 +345,7 @@ class SyncPolicy(Policy):
     def tick(self, now: float) -> None:
         if self.open and now >= self.deadline:
             self._maybe_close(deadline=True)
-        elif self.open and self.core.config.liveness_factor:
+        elif self.open and self.core.config.policy.liveness_factor:
             self._drop_silent(now)
 
     def _measure(self, cid: str) -> None:
@@ -367,7 +367,7 @@ class SyncPolicy(Policy):
             expected = typical if typical is not None else self._typical_task_s()
             if expected is None:
                 return None
-        return max(LIVENESS_MIN_S, self.core.config.liveness_factor * expected)
+        return max(LIVENESS_MIN_S, self.core.config.policy.liveness_factor * expected)
 
     def _typical_task_s(self) -> float | None:
         return float(np.median(list(self.task_s.values()))) if self.task_s else None
@@ -406,7 +406,7 @@ class AsyncPolicy(Policy):
 
     def __init__(self, core: PolicyHost) -> None:
         super().__init__(core)
-        cfg = core.config
+        cfg = core.config.policy
         self.buffer = FedBuff(core.update_size, buffer_size=cfg.buffer_size,
                               max_staleness=cfg.max_staleness, staleness=self.staleness,
                               aggregator=lambda size: make_aggregator(core))

@@ -75,7 +75,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.core = core
         self.chunk_bytes = chunk_bytes
         #: Where payloads land and who decodes them (in-process unless a tier is given).
-        self.tier = tier or Tier(dataclasses.replace(core.config, workers=0), core.decoder)
+        self.tier = tier or Tier(dataclasses.replace(core.config.tier, workers=0), core.decoder)
         #: The steps every push takes (server/pipeline.py); this servicer lands the stream.
         self.pipeline = PushPipeline(core, self.tier)
         self._event: asyncio.Event | None = None

@@ -149,7 +149,7 @@ class SessionsJob:
 
     def expire_sessions(self, now: float) -> int:
         """End the sessions unused for ``session_ttl_s``; how many ended."""
-        ttl = self.config.session_ttl_s
+        ttl = self.config.security.session_ttl_s
         if not ttl:
             return 0
         ended = 0
@@ -200,16 +200,16 @@ class SessionsJob:
         if protocol_version not in (0, PROTOCOL_VERSION):
             raise FailedPrecondition(f"client speaks protocol {protocol_version}; this server "
                                      f"speaks {PROTOCOL_VERSION}")
-        if self.config.join_token and not hmac.compare_digest(token.encode(),
-                                                              self.config.join_token.encode()):
+        expected = self.config.security.join_token
+        if expected and not hmac.compare_digest(token.encode(), expected.encode()):
             raise PermissionDenied("join token is missing or wrong")
         public_key = b""
         if proof is not None and (proof.public_key or proof.signature or proof.nonce):
             public_key = self._check_proof(client_id, proof)
-        elif self.config.require_identity:
+        elif self.config.security.require_identity:
             raise Unauthenticated("this server requires a node identity: sign a Challenge nonce "
                                   "with an Ed25519 key (clients make one unless given --key)")
-        if profile.device == "leaf" and self.config.require_identity \
+        if profile.device == "leaf" and self.config.security.require_identity \
                 and public_key not in self.leaf_keys:  # refused now, not at its first push
             raise PermissionDenied(
                 f"leaf {quote(client_id)} is not registered here: add its key (the .pub of the "
@@ -219,7 +219,7 @@ class SessionsJob:
         wait = self._join_limit.allow(client_id, now)
         if wait:
             raise ResourceExhausted(f"client {quote(client_id)} joins too often (at most "
-                                    f"{self.config.join_per_s:g} per second)",
+                                    f"{self.config.security.join_per_s:g} per second)",
                                     retry_after_s=wait)
         old = self._session_of.get(client_id)
         if old is not None:  # a restarted client takes over its identity
@@ -228,11 +228,11 @@ class SessionsJob:
                 raise PermissionDenied(f"client id {client_id[:40]!r} is held by another key")
             self.sessions.pop(old, None)
             self._last_seen.pop(old, None)
-        elif len(self.sessions) >= self.config.max_sessions:
+        elif len(self.sessions) >= self.config.security.max_sessions:
             self.expire_sessions(now)
-            if len(self.sessions) >= self.config.max_sessions:
+            if len(self.sessions) >= self.config.security.max_sessions:
                 raise ResourceExhausted(f"the server holds its maximum of "
-                                        f"{self.config.max_sessions} sessions; try later",
+                                        f"{self.config.security.max_sessions} sessions; try later",
                                         retry_after_s=30.0)
         session = secrets.token_urlsafe(16)  # 128 bits in 22 characters
         self.sessions[session] = ClientRecord(session, client_id, profile, now, last_seen=now,
@@ -246,7 +246,7 @@ class SessionsJob:
         log.info("client %s joined (%s)", client_id, profile.device)
         self._changed()
         return JoinResult(session=session, settings=self.config.train, mode=self.config.mode,
-                          max_payload_bytes=self.config.max_payload_bytes)
+                          max_payload_bytes=self.config.security.max_payload_bytes)
 
     def _check_proof(self, client_id: str, proof: JoinProof) -> bytes:
         """The proven public key, or a refusal saying which part of the proof is wrong."""
@@ -278,10 +278,10 @@ class SessionsJob:
         stand for many clients, so from anyone else one push could fill a buffer alone."""
         if not self.takes_partials:
             raise FailedPrecondition(
-                f"this aggregator's rule {self.config.defense!r} needs every update, so a "
+                f"this aggregator's rule {self.config.policy.defense!r} needs every update, so a "
                 f"leaf's partial aggregate cannot enter it; use a decomposable rule (fedavg) "
                 f"or connect the clients directly")
-        if self.config.require_identity and rec.public_key not in self.leaf_keys:
+        if self.config.security.require_identity and rec.public_key not in self.leaf_keys:
             raise PermissionDenied(
                 f"only registered leaf aggregators may push partial aggregates, and the key of "
                 f"{quote(rec.client_id)} is not in this server's --leaf-keys (start the leaf "

@@ -6,8 +6,8 @@ buffers and are decoded inline (tests, tiny runs). Otherwise payload bytes land 
 shared-memory slab as they arrive, and an *aggregation function* (:func:`decode_job`) decodes
 them in a worker process (or a Ray task) into a second slab; the gateway only passes slab
 references. Workers start when updates arrive, grow with the backlog up to ``max_workers`` and
-stop when idle (``server/workers.py``). When slabs or the job queue are full the push is refused
-with RESOURCE_EXHAUSTED and a retry hint: back-pressure, never a silent drop.
+stop when idle (``server/process_backend.py``). When slabs or the job queue are full the push is
+refused with RESOURCE_EXHAUSTED and a retry hint: back-pressure, never a silent drop.
 
 The decoded update stays in its slab until the publisher has folded it; the fold's ``release``
 callback returns the slabs to the pool.
@@ -29,7 +29,7 @@ import torch
 from murmura.protocols import FlatVector, UpdateHeader
 from murmura.protocols.codecs.partial import KIND_EXACT, PARTIAL_CODEC
 from murmura.server.buffers import DEFAULT_MAX_FREE, BufferPool, ReceiveBuffer
-from murmura.server.config import ServerConfig
+from murmura.server.config import TierConfig
 from murmura.server.decoding import Decoded, Decoder
 from murmura.server.errors import ResourceExhausted
 from murmura.server.slabs import (
@@ -115,7 +115,7 @@ def output_nbytes(decoder: Decoder, codec: str, head: bytes | memoryview) -> int
 class Tier:
     """Receive buffers, dispatch to aggregation functions, back-pressure, statistics."""
 
-    def __init__(self, config: ServerConfig, decoder: Decoder, *,
+    def __init__(self, config: TierConfig, decoder: Decoder, *,
                  backend: FunctionBackend | None = None) -> None:
         self.config = config
         self.decoder = decoder
@@ -140,7 +140,7 @@ class Tier:
         self.post: Callable[[Callable[[], object]], object] = lambda fn: fn()
 
     @classmethod
-    def for_config(cls, config: ServerConfig, decoder: Decoder) -> Tier:
+    def for_config(cls, config: TierConfig, decoder: Decoder) -> Tier:
         """The backend ``config`` asks for (none for ``workers = 0``)."""
         if config.workers == 0:
             return cls(config, decoder)
@@ -151,11 +151,12 @@ class Tier:
 
             backend = RayBackend(config.ray_address or None, max_in_flight=config.max_queue)
         else:
-            from murmura.server.workers import ProcessBackend
+            from murmura.server.process_backend import ProcessBackend
 
             backend = ProcessBackend(limit, idle_s=config.worker_idle_s,
                                      max_queue=config.max_queue,
-                                     preload=("murmura.server.tier",))
+                                     preload=("murmura.server.tier",
+                                              "murmura.server.worker_process"))
         return cls(config, decoder, backend=backend)
 
     # -- receiving ----------------------------------------------------------------------------

@@ -30,8 +30,8 @@ def prepare_server(server: ServerConfig, sim: SimulationConfig, *,
         server = dataclasses.replace(server, train=dataclasses.replace(server.train,
                                                                        seed=server.seed))
     if wait_for_all_clients and sim.availability == "always" and \
-            (not server.cohort_size or server.cohort_size >= sim.clients):
-        server = dataclasses.replace(server, min_clients=sim.clients)
+            (not server.policy.cohort_size or server.policy.cohort_size >= sim.clients):
+        server = server.replace(min_clients=sim.clients)
     return server
 
 

@@ -39,7 +39,7 @@ def test_toml_then_flags_map_onto_config_fields(tmp_path) -> None:
     args = build_parser().parse_args(["server", "--config", str(cfg), "--buffer-size", "9",
                                       "--codec-option", "x=1"])
     server = build(ServerConfig, read_toml(cfg).get("server"), args, section="server")
-    assert (server.mode, server.buffer_size) == ("async", 9)  # the flag wins over the file
+    assert (server.mode, server.policy.buffer_size) == ("async", 9)  # the flag wins over the file
     assert server.train.lr == 0.3 and server.train.codec == "dense-f16"
     assert server.train.codec_options == {"x": "1"}
 

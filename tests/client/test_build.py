@@ -21,8 +21,8 @@ TASK = TaskConfig(task="digits")
 
 def core_for(**train: object):
     settings = TaskSettings(**{"local_epochs": 1, "batch_size": 32, "lr": 0.05, **train})
-    cfg = ServerConfig(mode="async", buffer_size=1, min_clients=1, max_versions=2,
-                       require_identity=False, train=settings)
+    cfg = ServerConfig.from_flat(mode="async", buffer_size=1, min_clients=1, max_versions=2,
+                                 require_identity=False, train=settings)
     return build_core(cfg, TASK, out_dir=None, evaluate=False)
 
 

@@ -126,8 +126,8 @@ class BusyOnce(CoreTransport):
 
 def _one_version() -> tuple[FunctionTrainer, AggregatorCore]:
     trainer = FunctionTrainer(torch.nn.Linear(2, 1), lambda m, s, seed: {"num_examples": 1})
-    core = AggregatorCore(ServerConfig(mode="async", buffer_size=1, max_versions=1,
-                                       min_clients=1, require_identity=False),
+    core = AggregatorCore(ServerConfig.from_flat(mode="async", buffer_size=1, max_versions=1,
+                                                 min_clients=1, require_identity=False),
                           trainer.spec, trainer.spec.flatten(trainer.model))
     return trainer, core
 
@@ -154,8 +154,9 @@ def _runtime_pauses(client_id: str, failures: list[str]) -> list[float]:
 
 def _engine() -> Simulation:
     sim = SimulationConfig(clients=2, speed_spread=4.0, vectorise="off", workers=1)
-    server = prepare_server(ServerConfig(mode="async", max_versions=5, buffer_size=2,
-                                         train=TaskSettings(local_epochs=1, batch_size=32)), sim)
+    train = TaskSettings(local_epochs=1, batch_size=32)
+    server = prepare_server(ServerConfig.from_flat(mode="async", max_versions=5, buffer_size=2,
+                                                   train=train), sim)
     return Simulation(TaskConfig(task="digits", model="logreg", partition="iid"), server, sim,
                       out_dir=None, evaluate=False)
 

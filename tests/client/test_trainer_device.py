@@ -1,6 +1,6 @@
 """TorchTrainer on its device: data placement, batches, one read of the losses, CUDA paths.
 
-The trainer is imported from ``murmura.client.trainer`` (not ``murmura.client``) so that this
+The trainer is imported from ``murmura.client.torch_trainer`` (not ``murmura.client``) so that this
 file also runs where the client runtime's dependencies are missing, e.g. on a bare GPU machine
 with the benchmark's import shim (``-p benchmarks.zo_speed``).
 """
@@ -16,17 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from murmura.client import trainer as trainer_module
-from murmura.client.trainer import (
-    GRAPH_MIN_REPLAYS,
-    GRAPH_WARMUP,
-    RESIDENT_FRACTION,
-    TorchTrainer,
-    _seed_everything,
-    data_placement,
-    full_batches,
-    iter_batches,
-)
+from murmura.client import torch_trainer as trainer_module
+from murmura.client.cuda_graph import GRAPH_MIN_REPLAYS, GRAPH_WARMUP, full_batches
+from murmura.client.placement import RESIDENT_FRACTION, data_placement
+from murmura.client.torch_trainer import TorchTrainer
+from murmura.client.trainer import _seed_everything, iter_batches
 from murmura.protocols import TaskSettings
 from murmura.tasks import ArrayDataset
 

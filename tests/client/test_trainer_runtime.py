@@ -27,7 +27,8 @@ def linear_trainer() -> FunctionTrainer:
 
 def core_for(trainer, **cfg) -> AggregatorCore:
     cfg.setdefault("require_identity", False)  # legacy ids; tests/security covers identities
-    return AggregatorCore(ServerConfig(**cfg), trainer.spec, trainer.spec.flatten(trainer.model))
+    return AggregatorCore(ServerConfig.from_flat(**cfg), trainer.spec,
+                          trainer.spec.flatten(trainer.model))
 
 
 def test_torch_trainer_learns_and_is_seeded() -> None:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _cfg(**kw) -> ServerConfig:
     """A config for legacy (unsigned) client ids; tests/security covers identities."""
-    return ServerConfig(require_identity=False, **kw)
+    return ServerConfig.from_flat(require_identity=False, **kw)
 
 
 def sha256(vector: np.ndarray) -> str:

@@ -92,8 +92,8 @@ def test_numpy_client_client_fn_and_client_app_train_alike() -> None:
                                     {"mode": "async", "buffer_size": 2, "defense": "median"}])
 def test_a_murmura_server_trains_flower_clients_over_grpc(server: dict[str, Any],
                                                          tmp_path: Path) -> None:
-    cfg = ServerConfig(max_versions=4, min_clients=2, workers=0, **server,
-                       train=TaskSettings(lr=0.1, local_epochs=1, batch_size=32, momentum=0.0))
+    train = TaskSettings(lr=0.1, local_epochs=1, batch_size=32, momentum=0.0)
+    cfg = ServerConfig.from_flat(max_versions=4, min_clients=2, workers=0, **server, train=train)
     core = flower_core(cfg, EXAMPLE, out_dir=tmp_path, durable=False)
     initial = core.evaluator(core.params.copy()) if core.evaluator else None
     assert initial is not None and initial["accuracy"] < 0.3

@@ -39,8 +39,8 @@ class _SlowLink(GrpcTransport):
 @pytest.mark.integration
 def test_a_slow_uplink_switches_the_client_to_a_smaller_codec(serve) -> None:
     task_cfg = TaskConfig(task="digits", model="logreg", partition="iid")
-    cfg = ServerConfig(mode="async", buffer_size=1, max_versions=3, min_clients=1, workers=0,
-                       train=TaskSettings(local_steps=2, batch_size=16))
+    cfg = ServerConfig.from_flat(mode="async", buffer_size=1, max_versions=3, min_clients=1,
+                                 workers=0, train=TaskSettings(local_steps=2, batch_size=16))
     srv = serve(build_core(cfg, task_cfg, out_dir=None, evaluate=False))
     task = load_task(task_cfg)
     now = [0.0]

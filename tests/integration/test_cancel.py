@@ -59,8 +59,8 @@ class Canceller:
 
 @pytest.fixture
 def durable_server(tmp_path, serve):
-    core = assemble_core(ServerConfig(mode="async", buffer_size=2, max_versions=50, workers=0,
-                                      require_identity=False),
+    core = assemble_core(ServerConfig.from_flat(mode="async", buffer_size=2, max_versions=50,
+                                                workers=0, require_identity=False),
                          SPEC, np.zeros(32, np.float32), out_dir=tmp_path, durable=True)
     srv = serve(core)
     yield srv, core

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.integration
 def test_clients_train_the_steps_the_compass_server_assigns(serve) -> None:
     # Prepare: a fast and a slow client by their profiles; the trainer records each task's steps
     task = TaskConfig(task="digits", model="logreg", partition="iid")
-    cfg = ServerConfig(mode="compass", compass_max_steps=10, max_versions=3, workers=0,
-                       train=TaskSettings(local_steps=10, batch_size=16))
+    cfg = ServerConfig.from_flat(mode="compass", compass_max_steps=10, max_versions=3, workers=0,
+                                 train=TaskSettings(local_steps=10, batch_size=16))
     core = build_core(cfg, task, out_dir=None, evaluate=False)
     srv = serve(core)
     model_factory = load_task(task).build_model

@@ -19,8 +19,8 @@ SPEC = ModelSpec((TensorSpec("w", (64,)),))
 
 def config(workers: int) -> ServerConfig:
     # Plain ids: tests/server/test_durable.py restores a proven key across a restart.
-    return ServerConfig(mode="async", buffer_size=2, max_versions=10, workers=workers,
-                        require_identity=False)
+    return ServerConfig.from_flat(mode="async", buffer_size=2, max_versions=10, workers=workers,
+                                  require_identity=False)
 
 
 def header(session: str, uid: str, payload: bytes, base: int = 0) -> UpdateHeader:

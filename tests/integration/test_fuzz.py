@@ -45,10 +45,10 @@ class Target:
         # and a RESOURCE_EXHAUSTED for each would hide what the handlers do with the input.
         # Identities off, so that fuzzed pushes reach decoding and the policy rather than all
         # stopping at the missing signature (tests/security covers the signed path).
-        config = ServerConfig(mode="async", min_clients=1, buffer_size=10**9,
-                              max_versions=10**9, max_staleness=10**9, workers=0,
-                              join_per_s=0, push_per_s=0, max_payload_mb=1.0,
-                              require_identity=False)
+        config = ServerConfig.from_flat(mode="async", min_clients=1, buffer_size=10**9,
+                                        max_versions=10**9, max_staleness=10**9, workers=0,
+                                        join_per_s=0, push_per_s=0, max_payload_mb=1.0,
+                                        require_identity=False)
         self.core = AggregatorCore(config, SPEC, np.zeros(SIZE, np.float32))
         self.server = ServerThread(self.core, "127.0.0.1:0").start()
         self.channel = grpc.insecure_channel(self.server.address)

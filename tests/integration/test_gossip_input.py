@@ -14,7 +14,7 @@ import torch
 
 from murmura.client import TorchTrainer
 from murmura.gossip import GossipConfig, GrpcPeerTransport, PeerRuntime
-from murmura.gossip.runtime import _push_fields
+from murmura.gossip.answers import _push_fields
 from murmura.protocols import PeerInfo, PeerModelHeader, serde
 from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols.identity import NodeKey, peer_message

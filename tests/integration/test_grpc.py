@@ -35,7 +35,7 @@ def vector_spec(n: int) -> ModelSpec:
 def small_core(**cfg) -> AggregatorCore:
     cfg.setdefault("min_clients", 2)
     cfg.setdefault("require_identity", False)  # raw legacy joins; tests/security: identities
-    return AggregatorCore(ServerConfig(**cfg), vector_spec(4), np.zeros(4, np.float32))
+    return AggregatorCore(ServerConfig.from_flat(**cfg), vector_spec(4), np.zeros(4, np.float32))
 
 
 def header(session: str, payload: bytes, **kw) -> UpdateHeader:
@@ -152,8 +152,8 @@ def test_a_retried_push_with_the_same_id_counts_once(serve) -> None:
 
 @pytest.mark.parametrize("n_values", [1_500_000, 25_000_000], ids=["6MB", "100MB"])
 def test_models_larger_than_a_grpc_message_stream_both_ways(serve, n_values) -> None:
-    core = AggregatorCore(ServerConfig(mode="async", buffer_size=1, min_clients=1,
-                                       require_identity=False),
+    core = AggregatorCore(ServerConfig.from_flat(mode="async", buffer_size=1, min_clients=1,
+                                                 require_identity=False),
                           vector_spec(n_values), np.zeros(n_values, np.float32))
     srv = serve(core)
     t = GrpcTransport(srv.address, timeout_s=60)
@@ -189,8 +189,8 @@ def digits_clients(srv, task, n, **runtime_kw):
 def test_clients_train_digits_to_high_accuracy(serve, tmp_path, mode) -> None:
     torch.set_num_threads(1)
     tc = TaskConfig()
-    core = build_core(ServerConfig(mode=mode, min_clients=4, max_versions=12, buffer_size=3),
-                      tc, out_dir=tmp_path)
+    cfg = ServerConfig.from_flat(mode=mode, min_clients=4, max_versions=12, buffer_size=3)
+    core = build_core(cfg, tc, out_dir=tmp_path)
     srv = serve(core)
     threads, stats = digits_clients(srv, load_task(tc), 4)
     assert srv.wait_done(timeout=120)
@@ -208,7 +208,7 @@ def test_sync_reruns_give_bit_identical_models(serve) -> None:
     tc = TaskConfig()
     finals = []
     for _ in range(2):
-        core = build_core(ServerConfig(min_clients=3, max_versions=3), tc, out_dir=None)
+        core = build_core(ServerConfig.from_flat(min_clients=3, max_versions=3), tc, out_dir=None)
         srv = serve(core)
         threads, _ = digits_clients(srv, load_task(tc), 3)
         assert srv.wait_done(timeout=60)
@@ -221,7 +221,7 @@ def test_sync_reruns_give_bit_identical_models(serve) -> None:
 def test_client_rides_out_a_server_restart(tmp_path) -> None:
     """The server dies mid-run; a new one resumes from the checkpoint on the same port and the
     client re-joins by itself and finishes."""
-    cfg = ServerConfig(mode="async", buffer_size=1, min_clients=1, max_versions=6)
+    cfg = ServerConfig.from_flat(mode="async", buffer_size=1, min_clients=1, max_versions=6)
     spec = vector_spec(4)
     ckpt = tmp_path / "ckpt.npz"
     first = AggregatorCore(cfg, spec, np.zeros(4, np.float32), checkpoint_path=ckpt)

@@ -199,7 +199,7 @@ def test_other_clients_carry_on_during_a_flood_of_garbage(serve) -> None:
 def test_server_config_refuses_nonsense_limits() -> None:
     for bad in (dict(session_ttl_s=math.nan), dict(push_per_s=-1.0), dict(max_sessions=0)):
         with pytest.raises(ValueError):
-            ServerConfig(**bad)
+            ServerConfig.from_flat(**bad)
 
 
 def test_a_version_whose_step_overflows_is_dropped_and_the_server_carries_on(serve) -> None:

@@ -34,8 +34,8 @@ def _wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
 @pytest.mark.slow
 def test_launched_clients_train_and_a_killed_one_comes_back(serve, tmp_path: Path) -> None:
     # Prepare: an async server that never finishes on its own, two CPU clients
-    cfg = ServerConfig(mode="async", buffer_size=2, max_versions=100_000, min_clients=1,
-                       workers=0, train=TaskSettings(local_steps=2, batch_size=16))
+    cfg = ServerConfig.from_flat(mode="async", buffer_size=2, max_versions=100_000, min_clients=1,
+                                 workers=0, train=TaskSettings(local_steps=2, batch_size=16))
     srv = serve(build_core(cfg, TASK, out_dir=None, evaluate=False))
     launcher = Launcher(srv.address, ["cpu"], clients_per_device=2, client_index_start=3,
                         num_clients=6, client_args=CLIENT_ARGS, work_dir=tmp_path,

@@ -52,15 +52,15 @@ def run_clients(addresses: list[str]) -> list[threading.Thread]:
 
 
 def top_config(accumulator: str, min_clients: int, leaf_keys: str = "") -> ServerConfig:
-    return ServerConfig(mode="sync", min_clients=min_clients, max_versions=VERSIONS,
-                        accumulator=accumulator, workers=0, leaf_keys=leaf_keys)
+    return ServerConfig.from_flat(mode="sync", min_clients=min_clients, max_versions=VERSIONS,
+                                  accumulator=accumulator, workers=0, leaf_keys=leaf_keys)
 
 
 def leaf_config(upstream: str, name: str, accumulator: str, keys: Path,
                 leaf_keys: str = "") -> ServerConfig:
-    return ServerConfig(role="leaf", upstream=upstream, name=name, min_clients=2,
-                        accumulator=accumulator, workers=0, key=str(keys / f"{name}.key"),
-                        leaf_keys=leaf_keys)
+    return ServerConfig.from_flat(role="leaf", upstream=upstream, name=name, min_clients=2,
+                                  accumulator=accumulator, workers=0, key=str(keys / f"{name}.key"),
+                                  leaf_keys=leaf_keys)
 
 
 def leaf_keys(keys: Path, *names: str) -> str:
@@ -133,9 +133,9 @@ def test_three_levels_match_the_flat_run_to_float32_rounding(tmp_path) -> None:
 
 @pytest.fixture
 def top():
-    core = build_core(ServerConfig(mode="async", buffer_size=1, min_clients=1, max_versions=5,
-                                   require_identity=False,
-                                   workers=0), TASK, out_dir=None, evaluate=False)
+    core = build_core(ServerConfig.from_flat(mode="async", buffer_size=1, min_clients=1,
+                                             max_versions=5, require_identity=False,
+                                             workers=0), TASK, out_dir=None, evaluate=False)
     with ServerThread(core, "127.0.0.1:0") as srv:
         yield srv
 
@@ -192,9 +192,9 @@ def test_bad_partials_are_refused_and_the_model_is_unchanged(top) -> None:
 def test_only_registered_leaves_may_push_partials(tmp_path) -> None:
     registry = leaf_keys(tmp_path, "site-a")
     leaf_key = NodeKey.load(tmp_path / "site-a.key")
-    core = build_core(ServerConfig(mode="async", buffer_size=1, min_clients=1, max_versions=5,
-                                   workers=0, leaf_keys=registry), TASK, out_dir=None,
-                      evaluate=False)
+    core = build_core(ServerConfig.from_flat(mode="async", buffer_size=1, min_clients=1,
+                                             max_versions=5, workers=0, leaf_keys=registry),
+                      TASK, out_dir=None, evaluate=False)
     partial = encode_partial(weight=4.0, count=2,
                              sum_f32=np.full(core.spec.size, 0.5, np.float32))
     with ServerThread(core, "127.0.0.1:0") as srv:
@@ -227,7 +227,7 @@ def test_only_registered_leaves_may_push_partials(tmp_path) -> None:
 
 def test_leaf_keys_need_identities() -> None:
     with pytest.raises(ValueError, match="leaf_keys needs require_identity"):
-        ServerConfig(leaf_keys="x.txt", require_identity=False)
+        ServerConfig.from_flat(leaf_keys="x.txt", require_identity=False)
 
 
 def test_non_positive_partial_weight_cannot_even_be_encoded() -> None:
@@ -236,8 +236,8 @@ def test_non_positive_partial_weight_cannot_even_be_encoded() -> None:
 
 
 def test_a_rule_that_needs_every_update_refuses_partials() -> None:
-    core = build_core(ServerConfig(defense="median", min_clients=1, workers=0,
-                                   require_identity=False), TASK,
+    core = build_core(ServerConfig.from_flat(defense="median", min_clients=1, workers=0,
+                                             require_identity=False), TASK,
                       out_dir=None, evaluate=False)
     with ServerThread(core, "127.0.0.1:0") as srv:
         t = GrpcTransport(srv.address, timeout_s=10)
@@ -252,17 +252,17 @@ def test_a_rule_that_needs_every_update_refuses_partials() -> None:
 
 def test_a_leaf_config_needs_an_upstream_and_a_decomposable_rule() -> None:
     with pytest.raises(ValueError, match="upstream"):
-        ServerConfig(role="leaf")
+        ServerConfig.from_flat(role="leaf")
     with pytest.raises(ValueError, match="decomposable"):
-        ServerConfig(role="leaf", upstream="127.0.0.1:1", defense="krum")
+        ServerConfig.from_flat(role="leaf", upstream="127.0.0.1:1", defense="krum")
     with pytest.raises(ValueError, match="decomposable"):
-        ServerConfig(accumulator="exact", defense="median")
+        ServerConfig.from_flat(accumulator="exact", defense="median")
 
 
 def test_a_leaf_whose_parent_is_unreachable_says_so() -> None:
     import asyncio
 
-    leaf = Leaf(ServerConfig(role="leaf", upstream="127.0.0.1:1", workers=0), TASK,
+    leaf = Leaf(ServerConfig.from_flat(role="leaf", upstream="127.0.0.1:1", workers=0), TASK,
                 connect_timeout_s=1.0)
     with pytest.raises(ValueError, match="cannot reach the parent aggregator at 127.0.0.1:1"):
         asyncio.run(asyncio.wait_for(leaf.start(), 60))

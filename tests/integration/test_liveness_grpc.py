@@ -40,8 +40,8 @@ def model() -> torch.nn.Module:
 def sync_server(serve, **cfg):  # noqa: ANN001, ANN003, ANN201 - (core, running server)
     """A sync aggregator for ``model()`` on loopback, in-process decoding."""
     spec = ModelSpec.from_module(model())
-    core = AggregatorCore(ServerConfig(mode="sync", workers=0, round_deadline_s=60, **cfg),
-                          spec, np.zeros(spec.size, np.float32))
+    config = ServerConfig.from_flat(mode="sync", workers=0, round_deadline_s=60, **cfg)
+    core = AggregatorCore(config, spec, np.zeros(spec.size, np.float32))
     return core, serve(core)
 
 
@@ -84,7 +84,7 @@ def test_eight_of_ten_clients_die_and_the_rounds_go_on_with_the_survivors(serve)
         # time), the next ones only for the survivors: each within 2x the survivors' task time
         assert gaps.max() <= 2 * task_s, (gaps, task_s)
         assert set(srv.call(core.active_client_ids)) == survivors
-        assert srv.call(lambda: core.config.round_deadline_s) == 60  # not what closed them
+        assert srv.call(lambda: core.config.policy.round_deadline_s) == 60  # not what closed them
     finally:
         teardown.set()
         srv.call(lambda: setattr(core, "done", True))  # survivors are told to stop

@@ -22,8 +22,8 @@ def federate(defense: str) -> float:
     torch.set_num_threads(1)
     tc = TaskConfig()
     n = HONEST + BYZANTINE
-    core = build_core(ServerConfig(min_clients=n, max_versions=8, defense=defense,
-                                   require_identity=False), tc,
+    core = build_core(ServerConfig.from_flat(min_clients=n, max_versions=8, defense=defense,
+                                             require_identity=False), tc,
                       out_dir=None)
     task = load_task(tc)
     with ServerThread(core, "127.0.0.1:0") as srv:

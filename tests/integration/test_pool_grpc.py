@@ -29,8 +29,8 @@ SETTINGS = TaskSettings(trainer="zo", codec="seed", codec_options={"pool": str(K
 @pytest.fixture
 def pool_server(tmp_path):
     torch.set_num_threads(1)
-    core = build_core(ServerConfig(mode="sync", min_clients=2, max_versions=3, train=SETTINGS,
-                                   require_identity=False),
+    core = build_core(ServerConfig.from_flat(mode="sync", min_clients=2, max_versions=3,
+                                             train=SETTINGS, require_identity=False),
                       TaskConfig(), out_dir=tmp_path)
     srv = ServerThread(core, "127.0.0.1:0").start()
     yield core, srv
@@ -80,8 +80,8 @@ def test_pool_clients_train_and_a_newcomer_rebuilds_the_model_from_k_scalars(poo
 
 
 def test_pool_pulls_are_refused_in_a_run_without_a_pool_and_unknown_kinds(tmp_path) -> None:
-    core = build_core(ServerConfig(min_clients=1, max_versions=1,
-                                   require_identity=False), TaskConfig(), out_dir=None)
+    core = build_core(ServerConfig.from_flat(min_clients=1, max_versions=1,
+                                             require_identity=False), TaskConfig(), out_dir=None)
     srv = ServerThread(core, "127.0.0.1:0").start()
     try:
         transport = GrpcTransport(srv.address, timeout_s=10)

@@ -40,10 +40,10 @@ def update_for(client: int, version: int) -> np.ndarray:
 def run_sync(serve, *, workers: int, codec: str = "int8", clients: int = 5, versions: int = 3,
              accumulator: str = "float32", options: dict[str, str] | None = None) -> np.ndarray:
     """``versions`` sync rounds of ``clients`` pushing concurrently; the final model."""
-    cfg = ServerConfig(min_clients=clients, max_versions=versions, workers=workers,
-                       require_identity=False,
-                       max_workers=max(workers, 1), accumulator=accumulator,
-                       train=TaskSettings(codec=codec, codec_options=options or {}))
+    cfg = ServerConfig.from_flat(min_clients=clients, max_versions=versions, workers=workers,
+                                 require_identity=False,
+                                 max_workers=max(workers, 1), accumulator=accumulator,
+                                 train=TaskSettings(codec=codec, codec_options=options or {}))
     srv = serve(AggregatorCore(cfg, vector_spec(), np.zeros(SIZE, np.float32)))
     t = GrpcTransport(srv.address, timeout_s=30)
     sessions = [t.join(f"client-{i}", DeviceProfile())[0].session for i in range(clients)]
@@ -92,7 +92,7 @@ def test_topk_and_exact_accumulation_through_workers_match_in_process(serve) -> 
 def _core(**cfg) -> AggregatorCore:
     cfg.setdefault("min_clients", 1)
     cfg.setdefault("require_identity", False)  # raw legacy joins; tests/security: identities
-    return AggregatorCore(ServerConfig(**cfg), vector_spec(), np.zeros(SIZE, np.float32))
+    return AggregatorCore(ServerConfig.from_flat(**cfg), vector_spec(), np.zeros(SIZE, np.float32))
 
 
 def _push(t: GrpcTransport, session: str, version: int = 0, value: float = 1.0,
@@ -169,8 +169,8 @@ def test_join_and_get_task_answer_while_a_version_is_being_published(serve) -> N
         gate.wait(30)
         return {"accuracy": 0.5}
 
-    cfg = ServerConfig(min_clients=1, mode="async", buffer_size=1, max_versions=5,
-                       require_identity=False)
+    cfg = ServerConfig.from_flat(min_clients=1, mode="async", buffer_size=1, max_versions=5,
+                                 require_identity=False)
     srv = serve(AggregatorCore(cfg, vector_spec(), np.zeros(SIZE, np.float32),
                                evaluator=slow_evaluator))
     t = GrpcTransport(srv.address, timeout_s=30)
@@ -203,9 +203,9 @@ def seed_payload(size: int, steps: int) -> bytes:
 
 
 def seed_server(serve, size: int, **cfg) -> ServerThread:  # noqa: ANN003
-    config = ServerConfig(min_clients=1, mode="async", buffer_size=1, max_versions=2,
-                          require_identity=False,
-                          train=TaskSettings(trainer="zo", codec="seed"), **cfg)
+    config = ServerConfig.from_flat(min_clients=1, mode="async", buffer_size=1, max_versions=2,
+                                    require_identity=False,
+                                    train=TaskSettings(trainer="zo", codec="seed"), **cfg)
     spec = ModelSpec((TensorSpec("w", (size,)),))
     return serve(AggregatorCore(config, spec, np.zeros(size, np.float32)))
 
@@ -271,8 +271,8 @@ def test_the_ray_backend_decodes_like_the_in_process_path(serve) -> None:
     """``--backend ray`` on a local Ray the server starts (and stops with itself)."""
     pytest.importorskip("ray")
     inline = run_sync(serve, workers=0, codec="int8", clients=3, versions=2)
-    cfg = ServerConfig(min_clients=3, max_versions=2, backend="ray", require_identity=False,
-                       train=TaskSettings(codec="int8"))
+    cfg = ServerConfig.from_flat(min_clients=3, max_versions=2, backend="ray",
+                                 require_identity=False, train=TaskSettings(codec="int8"))
     core = AggregatorCore(cfg, vector_spec(), np.zeros(SIZE, np.float32))
     srv = ServerThread(core, "127.0.0.1:0").start()
     try:

@@ -56,7 +56,7 @@ def connect(request) -> Iterator[Callable[..., tuple[AggregatorCore, Transport]]
     def make(**cfg: object) -> tuple[AggregatorCore, Transport]:
         config = {"mode": "async", "buffer_size": 1, "min_clients": 1, "max_versions": 10,
                   "workers": 0, "require_identity": False, **cfg}
-        core = AggregatorCore(ServerConfig(**config), SPEC, P0.copy())  # type: ignore[arg-type]
+        core = AggregatorCore(ServerConfig.from_flat(**config), SPEC, P0.copy())  # type: ignore[arg-type]
         transport, stop = TRANSPORTS[request.param](core)
         stops.append(stop)
         return core, transport

@@ -42,7 +42,7 @@ class Clock:
 
 def make_core(clock: Clock | None = None, **cfg) -> AggregatorCore:
     cfg.setdefault("min_clients", 2)
-    return AggregatorCore(ServerConfig(**cfg), SPEC, np.zeros(4, np.float32),
+    return AggregatorCore(ServerConfig.from_flat(**cfg), SPEC, np.zeros(4, np.float32),
                           clock=clock or Clock())
 
 

@@ -19,22 +19,22 @@ def test_a_leaf_joins_its_parent_over_mutual_tls_under_its_own_key(tmp_path) -> 
     make_client_cert(tmp_path / "ca", tmp_path / "leaf", "site-a")
     key = NodeKey.generate()
     key.save(tmp_path / "site-a.key")
-    top_core = build_core(ServerConfig(min_clients=1, max_versions=1, workers=0,
-                                       tls_cert=str(tmp_path / "top" / "server.crt"),
-                                       tls_key=str(tmp_path / "top" / "server.key"),
-                                       client_ca=str(tmp_path / "ca" / "ca.crt"),
-                                       allowed_keys=str(tmp_path / "site-a.key.pub"),
-                                       leaf_keys=str(tmp_path / "site-a.key.pub")),
+    top_core = build_core(ServerConfig.from_flat(min_clients=1, max_versions=1, workers=0,
+                                                 tls_cert=str(tmp_path / "top" / "server.crt"),
+                                                 tls_key=str(tmp_path / "top" / "server.key"),
+                                                 client_ca=str(tmp_path / "ca" / "ca.crt"),
+                                                 allowed_keys=str(tmp_path / "site-a.key.pub"),
+                                                 leaf_keys=str(tmp_path / "site-a.key.pub")),
                           TASK, out_dir=None, evaluate=False)
     servers: list[ServerThread] = []
     try:
         top = ServerThread(top_core, "127.0.0.1:0").start()
         servers.append(top)
-        leaf_cfg = ServerConfig(role="leaf", upstream=top.address, min_clients=2, workers=0,
-                                key=str(tmp_path / "site-a.key"),
-                                upstream_tls_ca=str(tmp_path / "ca" / "ca.crt"),
-                                upstream_tls_cert=str(tmp_path / "leaf" / "site-a.crt"),
-                                upstream_tls_key=str(tmp_path / "leaf" / "site-a.key"))
+        leaf_cfg = ServerConfig.from_flat(role="leaf", upstream=top.address, min_clients=2,
+                                          workers=0, key=str(tmp_path / "site-a.key"),
+                                          upstream_tls_ca=str(tmp_path / "ca" / "ca.crt"),
+                                          upstream_tls_cert=str(tmp_path / "leaf" / "site-a.crt"),
+                                          upstream_tls_key=str(tmp_path / "leaf" / "site-a.key"))
         leaf = ServerThread(Leaf(leaf_cfg, TASK)).start()
         servers.append(leaf)
         threads = run_clients([leaf.address] * 2)  # its own clients: signed, plaintext loopback

@@ -261,8 +261,8 @@ def test_the_server_refuses_a_join_with_a_small_order_key() -> None:
     from murmura.server import AggregatorCore, ServerConfig
     from murmura.server.errors import ServiceError
 
-    core = AggregatorCore(ServerConfig(min_clients=1), ModelSpec((TensorSpec("w", (2,)),)),
-                          np.zeros(2, np.float32))
+    core = AggregatorCore(ServerConfig.from_flat(min_clients=1),
+                          ModelSpec((TensorSpec("w", (2,)),)), np.zeros(2, np.float32))
     for raw in SMALL_ORDER:
         nonce, _ = core.challenge()
         proof = JoinProof(public_key=raw, nonce=nonce, signature=encode(IDENTITY) + bytes(32))

@@ -55,7 +55,7 @@ def serve() -> Iterator[Callable[..., ServerThread]]:
     def start(**cfg) -> ServerThread:
         cfg.setdefault("min_clients", 2)
         cfg.setdefault("max_versions", 1)
-        core = AggregatorCore(ServerConfig(**cfg), SPEC, np.zeros(4, np.float32))
+        core = AggregatorCore(ServerConfig.from_flat(**cfg), SPEC, np.zeros(4, np.float32))
         srv = ServerThread(core, "127.0.0.1:0").start()
         running.append(srv)
         return srv
@@ -169,11 +169,12 @@ def test_identity_refusals_carry_precise_grpc_statuses(serve) -> None:
 
 def test_plaintext_is_refused_off_loopback_unless_insecure(pki) -> None:
     with pytest.raises(ValueError, match="refusing to serve plaintext on 0.0.0.0"):
-        ServerConfig(address="0.0.0.0:0")
-    assert ServerConfig(address="0.0.0.0:0", insecure=True).insecure
-    assert ServerConfig(address="0.0.0.0:0", tls_cert="c", tls_key="k").tls_cert
+        ServerConfig.from_flat(address="0.0.0.0:0")
+    assert ServerConfig.from_flat(address="0.0.0.0:0", insecure=True).security.insecure
+    assert ServerConfig.from_flat(address="0.0.0.0:0", tls_cert="c",
+                                  tls_key="k").security.tls_cert
     with pytest.raises(ValueError, match="both tls_cert and tls_key"):
-        ServerConfig(tls_cert="c")
+        ServerConfig.from_flat(tls_cert="c")
     with pytest.raises(ValueError, match="refusing to talk plaintext to 10.1.2.3"):
         GrpcTransport("10.1.2.3:50051")
     GrpcTransport("10.1.2.3:50051", insecure=True).close()

@@ -164,14 +164,14 @@ def test_step_bounds_and_refinement_validate() -> None:
 
 def test_compass_config_needs_step_bounds() -> None:
     with pytest.raises(ValueError, match="compass_max_steps"):
-        ServerConfig(mode="compass")
+        ServerConfig.from_flat(mode="compass")
     with pytest.raises(ValueError, match="compass_min_steps 5 and compass_max_steps 4"):
-        ServerConfig(mode="compass", compass_max_steps=4, compass_min_steps=5)
+        ServerConfig.from_flat(mode="compass", compass_max_steps=4, compass_min_steps=5)
     with pytest.raises(ValueError, match="for mode 'compass'"):
-        ServerConfig(mode="async", compass_max_steps=4)
+        ServerConfig.from_flat(mode="async", compass_max_steps=4)
     with pytest.raises(ValueError, match="compass_step_updates"):
-        ServerConfig(mode="compass", compass_max_steps=4, compass_step_updates=-1)
-    assert ServerConfig(mode="compass", compass_max_steps=20).compass_bounds() == \
+        ServerConfig.from_flat(mode="compass", compass_max_steps=4, compass_step_updates=-1)
+    assert ServerConfig.from_flat(mode="compass", compass_max_steps=20).compass_bounds() == \
         StepBounds(4, 20, 1.5)
 
 
@@ -192,7 +192,7 @@ class Clock:
 def _core(clock: Clock, **cfg) -> AggregatorCore:
     cfg.setdefault("compass_max_steps", 10)
     cfg.setdefault("require_identity", False)  # plain ids; tests/security covers identities
-    return AggregatorCore(ServerConfig(mode="compass", **cfg), SPEC, P0, clock=clock)
+    return AggregatorCore(ServerConfig.from_flat(mode="compass", **cfg), SPEC, P0, clock=clock)
 
 
 def _join(core: AggregatorCore, cid: str, steps_per_s: float = 0.0) -> str:
@@ -373,10 +373,10 @@ def test_version_step_refuses_nonsense() -> None:
     with pytest.raises(ValueError, match="count >= 1 and reference >= 1"):
         version_step(0, "sqrt", 5)
     with pytest.raises(ValueError, match="compass_step must be one of"):
-        ServerConfig(mode="compass", compass_max_steps=4, compass_step="cube")
-    assert ServerConfig(mode="compass", compass_max_steps=4).compass_reference == 5
-    assert ServerConfig(mode="compass", compass_max_steps=4, buffer_size=10,
-                        compass_step_updates=3).compass_reference == 3
+        ServerConfig.from_flat(mode="compass", compass_max_steps=4, compass_step="cube")
+    assert ServerConfig.from_flat(mode="compass", compass_max_steps=4).policy.compass_reference == 5
+    assert ServerConfig.from_flat(mode="compass", compass_max_steps=4, buffer_size=10,
+                                  compass_step_updates=3).policy.compass_reference == 3
 
 
 def test_a_scaled_up_version_stays_within_the_aggregates_range() -> None:

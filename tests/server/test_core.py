@@ -42,7 +42,7 @@ class Clock:
 def make_core(clock=None, **cfg) -> AggregatorCore:
     cfg.setdefault("min_clients", 2)
     cfg.setdefault("require_identity", False)  # legacy ids; tests/security covers identities
-    return AggregatorCore(ServerConfig(**cfg), SPEC, P0, clock=clock or Clock())
+    return AggregatorCore(ServerConfig.from_flat(**cfg), SPEC, P0, clock=clock or Clock())
 
 
 def push(core, session, update, *, uid=None, base=None, n=10, codec="dense-f32", round_=None,
@@ -295,7 +295,7 @@ def test_checkpoint_is_written_per_version_and_resumes(tmp_path) -> None:
     path = tmp_path / "ckpt.npz"
     cfg = dict(mode="async", buffer_size=1, optimizer="fedavgm", max_versions=10,
                require_identity=False)
-    core = AggregatorCore(ServerConfig(**cfg), SPEC, P0, checkpoint_path=path)
+    core = AggregatorCore(ServerConfig.from_flat(**cfg), SPEC, P0, checkpoint_path=path)
     (a,) = joined(core, "a")
     push(core, a, [1, 1, 1, 1])
     push(core, a, [1, 1, 1, 1])
@@ -303,7 +303,7 @@ def test_checkpoint_is_written_per_version_and_resumes(tmp_path) -> None:
     assert ckpt.version == 2 and ckpt.params.tobytes() == core.params.tobytes()
     assert set(ckpt.optimizer_state) == {"momentum"}
     assert not list(tmp_path.glob("*.tmp"))  # the atomic write left no temporary file
-    resumed = AggregatorCore(ServerConfig(**cfg), SPEC, P0, start=ckpt)
+    resumed = AggregatorCore(ServerConfig.from_flat(**cfg), SPEC, P0, start=ckpt)
     (b,) = joined(resumed, "b")
     push(resumed, b, [1, 1, 1, 1])
     push(core, a, [1, 1, 1, 1])
@@ -324,8 +324,8 @@ def test_checkpoint_for_another_model_or_corrupt_file_is_refused(tmp_path) -> No
 
 def test_server_config_refuses_broken_settings() -> None:
     with pytest.raises(ValueError, match="mode"):
-        ServerConfig(mode="semi")
+        ServerConfig.from_flat(mode="semi")
     with pytest.raises(ValueError, match="no round could ever start"):
-        ServerConfig(cohort_size=2, min_clients=3)
+        ServerConfig.from_flat(cohort_size=2, min_clients=3)
     with pytest.raises(ValueError, match="unknown optimizer"):
-        ServerConfig(optimizer="lbfgs")
+        ServerConfig.from_flat(optimizer="lbfgs")

@@ -26,7 +26,7 @@ def test_the_output_layer_is_the_last_matrix_and_what_follows(spec, values) -> N
 
 
 def _rule(spec: ModelSpec = MLP, **options: str):  # noqa: ANN202
-    cfg = ServerConfig(defense="default", defense_options=options, require_identity=False)
+    cfg = ServerConfig.from_flat(defense="default", defense_options=options, require_identity=False)
     core = AggregatorCore(cfg, spec, np.zeros(spec.size, np.float32))
     return core.policy.aggregator
 
@@ -45,4 +45,4 @@ def test_a_server_clips_the_output_layer_more_loosely_unless_told_otherwise() ->
 
 def test_a_head_that_is_not_a_count_is_refused_at_configuration() -> None:
     with pytest.raises(ValueError, match="head must be a whole number"):
-        ServerConfig(defense="default", defense_options={"head": "last"})
+        ServerConfig.from_flat(defense="default", defense_options={"head": "last"})

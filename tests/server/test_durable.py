@@ -39,7 +39,7 @@ class Crash(Exception):
 
 
 def open_core(out, clock=None, **cfg) -> AggregatorCore:
-    return assemble_core(ServerConfig(**{**ASYNC, **cfg}), SPEC, P0, out_dir=out,
+    return assemble_core(ServerConfig.from_flat(**{**ASYNC, **cfg}), SPEC, P0, out_dir=out,
                          clock=clock or Clock(), durable=True)
 
 
@@ -56,7 +56,7 @@ class Backend:
         previous = self.memory.get(Path(out))
         state = previous.reopened() if previous is not None else MemoryState()
         self.memory[Path(out)] = state
-        return assemble_core(ServerConfig(**{**ASYNC, **cfg}), SPEC, P0, out_dir=out,
+        return assemble_core(ServerConfig.from_flat(**{**ASYNC, **cfg}), SPEC, P0, out_dir=out,
                              clock=clock or Clock(), durable=state)
 
     def stored(self, out) -> StoredState:
@@ -254,7 +254,7 @@ def test_robust_rule_state_is_saved_with_the_checkpoint(backend, tmp_path) -> No
 
 
 def test_non_durable_resume_keeps_counters_and_the_whole_metrics_file(tmp_path) -> None:
-    cfg = ServerConfig(**{**ASYNC, "buffer_size": 1})
+    cfg = ServerConfig.from_flat(**{**ASYNC, "buffer_size": 1})
     core = assemble_core(cfg, SPEC, P0, out_dir=tmp_path, clock=Clock())
     s = core.join("a", DeviceProfile()).session
     for i in range(3):

@@ -131,7 +131,7 @@ def test_liveness_factor_zero_turns_the_check_off() -> None:
 
 def test_liveness_factor_is_validated() -> None:
     with pytest.raises(ValueError, match="liveness_factor must be 0 .off. or at least 1"):
-        ServerConfig(liveness_factor=0.5)
+        ServerConfig.from_flat(liveness_factor=0.5)
 
 
 def test_a_lost_waiting_call_ends_the_session_unless_the_client_calls_again() -> None:

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _cfg(**kw) -> ServerConfig:
     """A config for legacy (unsigned) client ids; tests/security covers identities."""
-    return ServerConfig(require_identity=False, **kw)
+    return ServerConfig.from_flat(require_identity=False, **kw)
 
 
 def sha256(vector: np.ndarray) -> str:
@@ -190,9 +190,9 @@ def test_runs_without_a_pool_refuse_pool_pulls() -> None:
 
 def test_pool_config_needs_the_linear_server_optimizer() -> None:
     with pytest.raises(ValueError, match="only the linear 'fedavg'"):
-        ServerConfig(optimizer="fedadam", train=pool_settings())
+        ServerConfig.from_flat(optimizer="fedadam", train=pool_settings())
     with pytest.raises(ValueError, match="pool"):
-        ServerConfig(train=pool_settings(k=-1))
+        ServerConfig.from_flat(train=pool_settings(k=-1))
     assert seed_pool_for(pool_settings(k=0)) is None
     assert seed_pool_for(TaskSettings()) is None
 

@@ -105,7 +105,7 @@ def serve() -> Iterator[Callable[..., tuple[ServerThread, GrpcTransport]]]:
         cfg.setdefault("workers", 0)  # the in-process path: payloads land in these buffers
         cfg.setdefault("require_identity", False)  # raw legacy joins
         spec = ModelSpec((TensorSpec("w", (P,)),))
-        core = AggregatorCore(ServerConfig(**cfg), spec, np.zeros(P, np.float32))
+        core = AggregatorCore(ServerConfig.from_flat(**cfg), spec, np.zeros(P, np.float32))
         srv = ServerThread(core, "127.0.0.1:0").start()
         transport = GrpcTransport(srv.address, timeout_s=30)
         started.append((srv, transport))

@@ -20,11 +20,11 @@ import pytest
 
 from murmura.protocols import CodecError
 from murmura.server import _testjobs as jobs
+from murmura.server.process_backend import ProcessBackend
 from murmura.server.workers import (
     BackendClosed,
     FunctionBackend,
     InlineBackend,
-    ProcessBackend,
     QueueFull,
     RemoteError,
     WorkerCrashed,

@@ -27,8 +27,8 @@ def test_a_simulation_runs_the_apps_own_train_as_murmura_run_does(tmp_path: Path
     assert rc == 0
     want = load_checkpoint(tmp_path / "grpc" / "checkpoint.npz").params
 
-    server = ServerConfig(max_versions=VERSIONS, seed=SEED, require_identity=False,
-                          train=TaskSettings(local_epochs=1, batch_size=16, lr=0.05))
+    server = ServerConfig.from_flat(max_versions=VERSIONS, seed=SEED, require_identity=False,
+                                    train=TaskSettings(local_epochs=1, batch_size=16, lr=0.05))
     for workers in (1, 2):
         result = simulate(TaskConfig(app=str(app)), server,
                           SimulationConfig(clients=CLIENTS, workers=workers), out_dir=None)
@@ -38,7 +38,7 @@ def test_a_simulation_runs_the_apps_own_train_as_murmura_run_does(tmp_path: Path
 
 def test_an_apps_own_train_is_not_vectorised(tmp_path: Path) -> None:
     app = write_app(tmp_path, "sim_train_app_vmap", suffix="vmap")
-    server = ServerConfig(max_versions=1, require_identity=False)
+    server = ServerConfig.from_flat(max_versions=1, require_identity=False)
     with pytest.raises(ValueError, match="own train"):
         simulate(TaskConfig(app=str(app)), server,
                  SimulationConfig(clients=2, vectorise="on"), out_dir=None)
@@ -76,8 +76,8 @@ def test_a_simulation_minimises_the_apps_own_loss_as_murmura_run_does(tmp_path: 
                "--batch-size", "16", "--lr", "0.05"])
     assert rc == 0
     want = load_checkpoint(tmp_path / "grpc" / "checkpoint.npz").params
-    server = ServerConfig(max_versions=VERSIONS, seed=SEED, require_identity=False,
-                          train=TaskSettings(local_epochs=1, batch_size=16, lr=0.05))
+    server = ServerConfig.from_flat(max_versions=VERSIONS, seed=SEED, require_identity=False,
+                                    train=TaskSettings(local_epochs=1, batch_size=16, lr=0.05))
     result = simulate(TaskConfig(app=str(app)), server,
                       SimulationConfig(clients=CLIENTS, workers=1), out_dir=None)
     assert result.execution_path == "loop"

@@ -39,8 +39,8 @@ def _engine(mode: str = "sync", clients: int = 4, versions: int = 1, vectorise: 
             **kw) -> Simulation:
     sim = SimulationConfig(clients=clients, speed_spread=1.0 if mode == "sync" else 4.0,
                            vectorise=vectorise, workers=1)
-    server = prepare_server(ServerConfig(mode=mode, max_versions=versions, buffer_size=2,
-                                         train=SETTINGS), sim)
+    server = prepare_server(ServerConfig.from_flat(mode=mode, max_versions=versions, buffer_size=2,
+                                                   train=SETTINGS), sim)
     return Simulation(LOGREG, server, sim, out_dir=None, evaluate=False, **kw)
 
 

@@ -12,8 +12,8 @@ from murmura.simulation import SimulationConfig, simulate
 from murmura.tasks import TaskConfig
 
 TASK = TaskConfig(task="digits")
-SERVER = ServerConfig(max_versions=3, seed=2, require_identity=False,
-                      train=TaskSettings(local_epochs=1, batch_size=32))
+SERVER = ServerConfig.from_flat(max_versions=3, seed=2, require_identity=False,
+                                train=TaskSettings(local_epochs=1, batch_size=32))
 
 
 def per_update_bytes(rows: list[dict]) -> list[float]:

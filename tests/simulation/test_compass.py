@@ -15,8 +15,8 @@ LOGREG = TaskConfig(task="digits", model="logreg", partition="iid")
 
 
 def _compass(**kw) -> ServerConfig:
-    return ServerConfig(mode="compass", compass_max_steps=10, seed=0,
-                        train=TaskSettings(local_steps=10, batch_size=16), **kw)
+    return ServerConfig.from_flat(mode="compass", compass_max_steps=10, seed=0,
+                                  train=TaskSettings(local_steps=10, batch_size=16), **kw)
 
 
 @pytest.mark.slow

@@ -83,7 +83,8 @@ def test_a_simulation_runs_on_a_local_dataset_with_natural_clients(tmp_path: Pat
     ds.save_to_disk(str(tmp_path / "femnist"))
     sim = SimulationConfig(clients=6, data_path=str(tmp_path / "femnist"),
                            partition_by="writer_id")
-    server = ServerConfig(max_versions=2, train=TaskSettings(local_epochs=1, batch_size=8))
+    server = ServerConfig.from_flat(max_versions=2,
+                                    train=TaskSettings(local_epochs=1, batch_size=8))
     task = TaskConfig(model="logreg")
     data = load_simulation_data(task, sim)
     assert all(len(set(data.groups[s])) == 1 for s in data.shares)  # one writer per client

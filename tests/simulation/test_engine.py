@@ -28,7 +28,7 @@ LOGREG = TaskConfig(task="digits", model="logreg", partition="iid")
 
 def _server(**kw) -> ServerConfig:
     kw.setdefault("train", TaskSettings(local_epochs=1, batch_size=32))
-    return ServerConfig(**kw)
+    return ServerConfig.from_flat(**kw)
 
 
 def test_a_sync_run_writes_its_outputs_in_virtual_time_and_reruns_identically(
@@ -63,7 +63,7 @@ def test_a_sync_round_lasts_as_long_as_its_slowest_device(tmp_path: Path) -> Non
     sim = SimulationConfig(clients=4, device_trace=str(trace), latency_ms=50.0,
                            uplink_mbps=8.0, downlink_mbps=16.0)
     settings = TaskSettings(local_steps=5, batch_size=16)
-    server = prepare_server(ServerConfig(max_versions=1, train=settings), sim)
+    server = prepare_server(ServerConfig.from_flat(max_versions=1, train=settings), sim)
     engine = Simulation(LOGREG, server, sim, out_dir=None)
     # Execute
     result = engine.run()

@@ -18,7 +18,7 @@ def _warm_up() -> None:
     so the measurement sees the simulation's memory, not the interpreter's modules."""
     sim = SimulationConfig(clients=4, samples_per_client=5)
     task = TaskConfig(task="synthetic", model="mlp", partition="iid")
-    Simulation(task, ServerConfig(max_versions=1), sim, out_dir=None).run()
+    Simulation(task, ServerConfig.from_flat(max_versions=1), sim, out_dir=None).run()
 
 
 def _per_client(build_and_run, n: int) -> float:
@@ -42,7 +42,7 @@ def test_ten_thousand_joined_idle_clients_fit_in_100_kb_each() -> None:
     sim = SimulationConfig(clients=n, samples_per_client=5, vectorise="off", workers=1)
     data = load_simulation_data(task, sim)
     # min_clients above n: every client joins, asks for a task and waits (a held long poll)
-    server = ServerConfig(min_clients=n + 1, max_versions=1)
+    server = ServerConfig.from_flat(min_clients=n + 1, max_versions=1)
 
     def build() -> Simulation:
         engine = Simulation(task, server, sim, data=data, out_dir=None, evaluate=False)
@@ -63,8 +63,8 @@ def test_clients_hold_no_model_after_training() -> None:
     task = TaskConfig(task="synthetic", model="mlp", partition="iid")
     sim = SimulationConfig(clients=n, samples_per_client=5)
     data = load_simulation_data(task, sim)
-    server = ServerConfig(min_clients=n, max_versions=2,
-                          train=TaskSettings(local_epochs=1, batch_size=5))
+    server = ServerConfig.from_flat(min_clients=n, max_versions=2,
+                                    train=TaskSettings(local_epochs=1, batch_size=5))
 
     def build() -> Simulation:
         engine = Simulation(task, server, sim, data=data, out_dir=None, evaluate=False)

@@ -32,7 +32,7 @@ def test_a_ray_simulation_reaches_the_loops_model_and_stops_its_own_ray(tmp_path
     # Prepare: sync rounds fold updates in client-id order, so arrival order cannot matter
     ray = pytest.importorskip("ray")
     assert not ray.is_initialized(), "this test starts its own Ray; run it before the others"
-    server = ServerConfig(max_versions=2, seed=7, train=TaskSettings(local_epochs=1))
+    server = ServerConfig.from_flat(max_versions=2, seed=7, train=TaskSettings(local_epochs=1))
 
     def run(**kw):
         return simulate(TASK, server, SimulationConfig(clients=6, **kw), out_dir=None)
@@ -158,7 +158,7 @@ def test_executor_settings_that_contradict_each_other_are_refused(kwargs, messag
 
 def test_the_named_executors_are_the_ones_that_run(digits: Task) -> None:
     # Prepare: a model vmap can run; naming loop still runs the loop
-    server = ServerConfig(max_versions=1, seed=3, train=TaskSettings(local_epochs=1))
+    server = ServerConfig.from_flat(max_versions=1, seed=3, train=TaskSettings(local_epochs=1))
     # Execute
     loop = simulate(TASK, server, SimulationConfig(clients=3, executor="loop"), out_dir=None)
     vmap = simulate(TASK, server, SimulationConfig(clients=3, executor="vmap"), out_dir=None)

@@ -14,8 +14,8 @@ from murmura.tasks import TaskConfig
 
 @pytest.fixture
 def hub() -> LocalAggregator:
-    core = build_core(ServerConfig(min_clients=1, max_versions=2, require_identity=False,
-                                   train=TaskSettings(local_epochs=1)),
+    core = build_core(ServerConfig.from_flat(min_clients=1, max_versions=2, require_identity=False,
+                                             train=TaskSettings(local_epochs=1)),
                       TaskConfig(task="digits", model="logreg"), out_dir=None, evaluate=False)
     return LocalAggregator(core)
 

@@ -20,7 +20,7 @@ CLIENTS, VERSIONS, SEED, STEPS = 3, 3, 5, 20
 TASK = TaskConfig(task="digits", model="mlp", partition="dirichlet", alpha=0.5)
 ZO = TaskSettings(trainer="zo", codec="seed", local_epochs=0, local_steps=STEPS, lr=1e-3,
                   batch_size=16, zo_eps=1e-3)
-SERVER = ServerConfig(max_versions=VERSIONS, seed=SEED, train=ZO, require_identity=False)
+SERVER = ServerConfig.from_flat(max_versions=VERSIONS, seed=SEED, train=ZO, require_identity=False)
 
 
 @pytest.mark.integration
@@ -62,8 +62,8 @@ def test_zeroth_order_simulation_refuses_paths_it_cannot_take(tmp_path: Path) ->
 
 
 def test_a_zeroth_order_simulation_learns(tmp_path: Path) -> None:
-    server = ServerConfig(max_versions=6, seed=1, require_identity=False,
-                          train=TaskSettings(trainer="zo", codec="seed", local_epochs=0,
+    server = ServerConfig.from_flat(max_versions=6, seed=1, require_identity=False,
+                                    train=TaskSettings(trainer="zo", codec="seed", local_epochs=0,
                                              local_steps=50, lr=2e-3, batch_size=32))
     result = simulate(TASK, server, SimulationConfig(clients=4, workers=1), out_dir=None)
     losses = [r["loss"] for r in result.rows]

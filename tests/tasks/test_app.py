@@ -100,7 +100,7 @@ def test_the_bundled_tasks_as_example_apps_match_the_bundled_tasks(name) -> None
 def test_app_rules_are_selectable_by_name_and_a_taken_name_is_refused(tmp_path) -> None:
     path = write_app(tmp_path, "rules_app", suffix="unit")
     TaskConfig(app=str(path))
-    assert ServerConfig(defense="frozen-unit").defense == "frozen-unit"
+    assert ServerConfig.from_flat(defense="frozen-unit").policy.defense == "frozen-unit"
     agg = create_aggregator("frozen-unit", 4)
     agg.add(np.ones(4, np.float32), 1.0)
     np.testing.assert_array_equal(agg.result(), np.zeros(4, np.float32))

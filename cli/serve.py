@@ -1,0 +1,117 @@
+"""``murmura server``: serve the aggregator (or, with ``--role leaf``, a leaf aggregator) until
+its last version or SIGINT/SIGTERM, then keep telling clients to stop for ``--linger-s``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from murmura.common import configure_logging, task_and_server
+from murmura.config import read_toml
+
+if TYPE_CHECKING:
+    from murmura.server import ServerConfig
+    from murmura.tasks import TaskConfig
+
+log = logging.getLogger("murmura")
+
+__all__ = ["cmd_server"]
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    configure_logging(args, logging.INFO)
+    toml = read_toml(args.config)
+    task, server = task_and_server(args, toml)
+    return asyncio.run(_serve(server, task, args))
+
+
+async def _serve(server_cfg: ServerConfig, task: TaskConfig, args: argparse.Namespace) -> int:
+    from murmura.server import AggregatorServer, build_core
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the address is announced
+        loop.add_signal_handler(sig, stop.set)
+    security = server_cfg.security
+    if security.tls_cert:  # check the certificate files before loading anything
+        from murmura.protocols.tls import server_credentials
+
+        server_credentials(security.tls_cert, security.tls_key, security.client_ca or None)
+    if server_cfg.leaf.role == "leaf":
+        return await _serve_leaf(server_cfg, task, args, stop)
+    out = Path(args.out)
+    resume = args.resume
+    if resume == "auto":
+        candidate = out / "checkpoint.npz"
+        resume = str(candidate) if candidate.exists() else None
+        if args.durable and (out / "state.db").exists():
+            resume = None  # the durable state is the fuller record; it is used by itself
+    # Durable (the default): OUT/state.db keeps what a restart needs, and a server started on
+    # an OUT that holds state resumes from it (it logs "resumed from the durable state").
+    if args.flower_app:  # the model a Flower client starts from (docs/flower.md)
+        from murmura.server.flower import flower_core
+
+        core = flower_core(server_cfg, args.flower_app, out_dir=out, resume=resume,
+                           durable=args.durable)
+    else:
+        core = build_core(server_cfg, task, out_dir=out, resume=resume, durable=args.durable)
+    srv = AggregatorServer(core)
+    try:
+        await srv.start()
+    except (OSError, RuntimeError) as exc:  # taken between the check and the bind
+        if "bind" not in str(exc).lower():
+            raise
+        raise ValueError(f"--address: cannot listen on {server_cfg.address[:60]} (port "
+                         f"already in use?)") from None
+    print(f"murmura server listening on {srv.address}", flush=True)
+    done = asyncio.ensure_future(srv.wait_done())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({done, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if done.done() and not stop.is_set():
+        log.info("reached %d versions; telling clients to stop", core.version)
+        try:  # keep answering STOP for a moment so connected clients learn the run is over
+            await asyncio.wait_for(stop.wait(), args.linger_s)
+        except asyncio.TimeoutError:
+            pass
+    else:
+        log.info("signal received; shutting down")
+        core.stop()
+    done.cancel()
+    stopped.cancel()
+    await srv.stop(grace=1.0)
+    assert core.recorder is not None  # build_core with an out_dir records the run
+    summary = core.recorder.finish()
+    print(f"stopped at version {summary['versions']}; results in {out}", flush=True)
+    return 0
+
+
+async def _serve_leaf(server_cfg: ServerConfig, task: TaskConfig, args: argparse.Namespace,
+                      stop: asyncio.Event) -> int:
+    from murmura.server.leaf import Leaf
+
+    leaf = Leaf(server_cfg, task, out_dir=Path(args.out))
+    await leaf.start()
+    print(f"murmura leaf listening on {leaf.address} (upstream {server_cfg.leaf.upstream})",
+          flush=True)
+    done = asyncio.ensure_future(leaf.wait_done())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({done, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if done.done() and not stop.is_set():
+        log.info("the parent ended the run; telling clients to stop")
+        try:
+            await asyncio.wait_for(stop.wait(), args.linger_s)
+        except asyncio.TimeoutError:
+            pass
+    done.cancel()
+    stopped.cancel()
+    await leaf.stop(grace=1.0)
+    if leaf.link_error is not None:
+        print(f"murmura server: the upstream link failed: {leaf.link_error}", file=sys.stderr)
+        return 1
+    print(f"leaf stopped; results in {args.out}", flush=True)
+    return 0
