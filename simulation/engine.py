@@ -23,17 +23,17 @@ does. Malicious clients run the attacks a deployed malicious client runs
 (``attacks={index: Attack}``), and harness-level attacks (ALIE, IPM, Sybil floods) replace
 updates through ``update_hook`` (see :mod:`murmura.simulation.attacks`).
 
-At each server-side event the engine calls the same :class:`~murmura.server.AggregatorCore`
-methods the gRPC servicer calls (``join``, ``task``, ``model``, ``precheck`` + ``push``,
-``leave``, ``tick`` at the policy's deadline), with the core's clock set to the virtual clock,
-so sync rounds, FedBuff buffers, staleness, deadlines and refusals come out of the event order
-exactly as they would from the network.
+At each server-side event the engine calls what the gRPC servicer calls (the core's ``join``,
+``task``, ``model``, ``leave``, ``tick`` at the policy's deadline, and the push pipeline,
+:class:`~murmura.server.pipeline.PushPipeline`), with the core's clock set to the virtual
+clock, so sync rounds, FedBuff buffers, staleness, deadlines and refusals come out of the event
+order exactly as they would from the network.
 
-Training is lazy and batched: a client's update depends only on (global vector, data, seed),
-all known when it pulls, so the engine queues the job and computes every queued job at once
-when the first result is needed. That batch is what the vectorised executor trains together.
-Idle clients hold no model: per client there is an id, a session, an index array into the
-shared data, a few numbers in arrays, and an encoder only when the codec keeps state.
+What a client pushes (its batched training, evaluation on the client, encoding) is made in
+:mod:`.updates`; who the clients are (devices, availability, the executor) in
+:mod:`.population`; the reporting in :mod:`.results`. Idle clients hold no model: per client
+there is an id, a session, an index array into the shared data, a few numbers in arrays, and
+an encoder only when the codec keeps state.
 """
 
 from __future__ import annotations
@@ -53,16 +53,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from murmura.client import Backoff, RetryPolicy, delta_of, jitter_rng
+from murmura.client import Backoff, RetryPolicy, jitter_rng
 from murmura.client.malicious import Attack
-from murmura.client.rules import (
-    UpdateIds,
-    after_refusal,
-    auto_switch,
-    codec_choice,
-    encoder_seed,
-    make_encoder,
-)
+from murmura.client.rules import UpdateIds, after_refusal, codec_choice, make_encoder
 from murmura.protocols import (
     Action,
     DeviceProfile,
@@ -73,41 +66,15 @@ from murmura.protocols import (
     UpdateHeader,
     create_codec,
 )
-from murmura.server import (
-    AggregatorCore,
-    ServerConfig,
-    ServiceError,
-    build_core,
-)
-from murmura.simulation.attacks import (
-    BatchHook,
-    UpdateBatch,
-    check_attacks,
-    check_update,
-    poison_data,
-)
+from murmura.server import AggregatorCore, ServerConfig, ServiceError, build_core
+from murmura.simulation.attacks import BatchHook, check_attacks, poison_data
 from murmura.simulation.clock import EventQueue, VirtualClock
 from murmura.simulation.config import SimulationConfig
 from murmura.simulation.data import SimulationData, load_simulation_data
-from murmura.simulation.devices import (
-    AlwaysOn,
-    Availability,
-    Churn,
-    DevicePopulation,
-    TraceAvailability,
-)
-from murmura.simulation.execution import (
-    Executor,
-    Job,
-    JobResult,
-    LoopExecutor,
-    PoolExecutor,
-    check_own_trainer_path,
-    default_workers,
-    has_own_train,
-)
-from murmura.simulation.ray_executor import RayExecutor
-from murmura.simulation.vectorised import VectorisationError, VectorisedExecutor
+from murmura.simulation.execution import Executor, default_workers
+from murmura.simulation.population import availability, choose_executor, device_population
+from murmura.simulation.results import ResultsJob, SimulationResult, plot_staleness
+from murmura.simulation.updates import UpdatesJob, split_for_client_eval
 from murmura.simulation.wire import ModelWire, update_wire_bytes
 from murmura.tasks import TaskConfig
 
@@ -141,31 +108,12 @@ class _Flight:
     wire: int = 0
 
 
-@dataclass
-class SimulationResult:
-    """What a simulation produced: the summary (as in summary.json) and the final model."""
-
-    summary: dict[str, Any]
-    params: FlatVector
-    version: int
-    rows: list[dict[str, Any]]
-    execution_path: str
-    virtual_s: float
-    wall_s: float
-    staleness: dict[int, int]
-    out_dir: Path | None = None
-
-    @property
-    def final_accuracy(self) -> float | None:
-        return self.summary.get("final_accuracy")
-
-
 def client_id(index: int) -> str:
     """The id ``murmura run`` gives client ``index`` (so sorted cohorts agree)."""
     return f"client-{index:03d}"
 
 
-class Simulation:
+class Simulation(UpdatesJob, ResultsJob):
     """One simulated federation: the aggregator core, the virtual clients and the clock.
 
     Build it, then :meth:`run` (or :meth:`advance` step by step and :meth:`finish`).
@@ -195,6 +143,12 @@ class Simulation:
                              f"simulation has {n}")
         self.attacks = check_attacks(attacks, n)
         self.data = poison_data(self.data, self.attacks)
+        # evaluation on the clients: each one's local test split leaves its training share
+        self._client_tests: list[Any] | None = None
+        self._evaluated: dict[int, int] = {}
+        self._eval_model = None
+        if server.train.client_eval_every:
+            self.data, self._client_tests = split_for_client_eval(self.data, task.data_seed)
         self._update_attacks = {c: a.update for c, a in self.attacks.items()
                                 if a.update is not None}
         self.update_hook = update_hook
@@ -209,8 +163,8 @@ class Simulation:
             raise ValueError("attacks and hooks on updates change dense model updates; a "
                              "zeroth-order run pushes seed-based step logs (use data attacks, "
                              "or first-order training)")
-        self.devices = self._devices()
-        self.availability = self._availability()
+        self.devices = device_population(sim, server.seed)
+        self.availability = availability(sim, server.seed)
         # per-client state: a few arrays and strings, no models
         self.ids = [client_id(i) for i in range(n)]
         self.sessions = [""] * n
@@ -262,7 +216,10 @@ class Simulation:
         self.lost = 0
         self.refused: Counter[str] = Counter()
         self.staleness: Counter[int] = Counter()
-        self.executor = executor or self._choose_executor()
+        self.probe_note = "an executor passed in"
+        if executor is None:
+            executor, self.probe_note = choose_executor(sim, self.data, self.settings)
+        self.executor = executor
         self.execution_path = self.executor.path
         self._wall = 0.0
         log.info("simulation: %d clients, execution: %s", n, self.executor.describe())
@@ -273,79 +230,12 @@ class Simulation:
         # The deployment's own assembly, with the virtual clock; decoding and publishing run
         # inline, so virtual time alone orders events. Every simulated client lives in this
         # process, so node identities would prove nothing: they are off (docs/security.md).
-        config = dataclasses.replace(self.server_config, require_identity=False, allowed_keys="")
+        config = self.server_config.replace(require_identity=False, allowed_keys="")
         return build_core(config, self.task_config, out_dir=self.out_dir,
                           evaluate=evaluate, task=self.data.task, clock=self.clock,
                           checkpoint=self.sim.checkpoint, fresh_metrics=True,
                           extra_config={"simulation": dataclasses.asdict(self.sim),
                                         "data": self.data.source})
-
-    def _devices(self) -> DevicePopulation:
-        s = self.sim
-        if s.device_trace:
-            return DevicePopulation.from_trace(s.device_trace, s.clients,
-                                               uplink_mbps=s.uplink_mbps,
-                                               downlink_mbps=s.downlink_mbps,
-                                               latency_ms=s.latency_ms)
-        return DevicePopulation.sample(s.clients, seed=self.server_config.seed,
-                                       step_time_s=s.step_time_s, speed_spread=s.speed_spread,
-                                       uplink_mbps=s.uplink_mbps, downlink_mbps=s.downlink_mbps,
-                                       latency_ms=s.latency_ms,
-                                       bandwidth_spread=s.bandwidth_spread,
-                                       stragglers=s.stragglers,
-                                       straggler_factor=s.straggler_factor)
-
-    def _availability(self) -> Availability:
-        s = self.sim
-        if s.availability == "always":
-            return AlwaysOn()
-        if s.availability == "churn":
-            return Churn(s.clients, mean_online_s=s.mean_online_s,
-                         mean_offline_s=s.mean_offline_s, seed=self.server_config.seed)
-        return TraceAvailability.from_file(s.availability)
-
-    def _choose_executor(self) -> Executor:
-        s, d = self.sim, self.data
-        factory, train, shares = d.task.model_factory, d.train, d.shares
-        workers = s.workers or default_workers()
-        own_train = has_own_train(d.task)
-        if self.settings.trainer == "zo" or own_train:
-            # each client's own trainer (a ZOTrainer's step log is what it pushes; an app's
-            # train function runs on the client's own data): not vectorised, not on Ray
-            what = "an app's own train() or loss()" if own_train else \
-                "the zeroth-order trainer"
-            check_own_trainer_path(what, s.executor, s.vectorise)
-            self.probe_note = f"{what}: each client's own trainer"
-            if s.executor == "pool" or (s.executor != "loop" and workers > 1):
-                return PoolExecutor(factory, train, shares, workers=workers, task=d.task)
-            return LoopExecutor(factory, train, shares, task=d.task)
-        if s.executor in ("loop", "pool", "ray"):
-            self.probe_note = f"executor={s.executor!r}"
-            if s.executor == "ray":
-                return RayExecutor(factory, train, shares, address=s.ray_address or None,
-                                   workers=s.workers)
-            if s.executor == "pool":
-                return PoolExecutor(factory, train, shares, workers=workers)
-            return LoopExecutor(factory, train, shares)
-        if s.vectorise != "off":
-            try:
-                ex = VectorisedExecutor(factory, train, shares, chunk_size=s.chunk_size)
-                self.probe_note = ex.probe(self.settings)
-                return ex
-            except VectorisationError as exc:
-                if s.vectorise == "on" or s.executor == "vmap":
-                    asked = "vectorise='on'" if s.vectorise == "on" else "executor='vmap'"
-                    raise ValueError(f"{asked} but the model can't be vectorised: "
-                                     f"{exc}") from exc
-                log.warning("vectorised training is not possible for this model (%s); "
-                            "falling back to %s", exc, "a process pool" if workers > 1
-                            else "a plain loop")
-                self.probe_note = f"vmap unavailable: {exc}"
-        else:
-            self.probe_note = "vectorise='off'"
-        if workers > 1:
-            return PoolExecutor(factory, train, shares, workers=workers)
-        return LoopExecutor(factory, train, shares)
 
     # -- the event loop ------------------------------------------------------------------
 
@@ -604,200 +494,11 @@ class Simulation:
             self.staleness[result.staleness] += 1
         self._schedule(self.clock.now + 2 * self._lat(c), _TASK, c)
 
-    # -- training ------------------------------------------------------------------------
-
-    def _compute_time(self, c: int, flight: _Flight) -> float:
-        """Virtual seconds client ``c`` trains this task: the server's step assignment
-        (FedCompass) at its speed, else its usual task time."""
-        if flight.steps:
-            return flight.steps * float(self.devices.step_time_s[c])
-        return self._compute_s[c]
-
-    def _choose_codec(self, c: int, flight: _Flight) -> None:
-        """``client_codec='auto'``: after a client's first push, its codec for the next
-        updates from that push's virtual duration, by the client runtime's own rule."""
-        self._auto.discard(c)
-        if flight.codec or flight.header is None:  # the trainer encoded it itself
-            return
-        push_s = self._latency[c] + flight.wire / self._up[c]
-        current = self._client_codec or self.settings.codec
-        choice = auto_switch(4 * self.spec.size, flight.header.payload_bytes, push_s,
-                             self._compute_time(c, flight), current)
-        if choice is not None:
-            name, options = choice
-            self._codec_of[c] = name
-            self._encoders[c] = create_codec(name, options).encoder(
-                self.spec.size, seed=encoder_seed(self.ids[c]))
-
-    def _encoder(self, c: int) -> Encoder:
-        if self._shared_encoder is not None:
-            return self._shared_encoder
-        enc = self._encoders.get(c)
-        if enc is None:  # made and seeded as ClientRuntime makes it, from the client id
-            enc = self._encoders[c] = make_encoder(self.settings, self.spec.size, self.ids[c],
-                                                   self._client_codec)
-        return enc
-
-    def _train_pending(self) -> None:
-        """Train every queued job in one batch, then encode each client's update."""
-        clients = [c for c in dict.fromkeys(self._pending)
-                   if c in self.flights and self.flights[c].payload is None
-                   and self.flights[c].params is not None]
-        self._pending = []
-        if not clients:
-            return
-        jobs = [Job(c, self.flights[c].params, self.flights[c].seed,  # type: ignore[arg-type]
-                    self.flights[c].steps) for c in clients]
-        t0 = time.perf_counter()
-        results = self._run_jobs(clients, jobs)
-        self.train_wall_s += time.perf_counter() - t0
-        self.batches += 1
-        self.batched_jobs += len(jobs)
-        if self._update_attacks or self.update_hook is not None:
-            self._encode_attacked(clients, jobs, results)
-            return
-        for c, job, r in zip(clients, jobs, results, strict=True):
-            flight = self.flights[c]
-            if r.encoded is not None:  # the trainer's own payload (a seed-based step log)
-                flight.codec, flight.payload = r.encoded
-            else:
-                update = delta_of(r.params, job.params)
-                flight.payload = self._encoder(c).encode(update)
-            flight.num_examples = r.num_examples
-            flight.metrics = dict(r.metrics)
-            flight.params = None  # the global vector is no longer needed by this client
-
-    def _run_jobs(self, clients: list[int], jobs: list[Job]) -> list[JobResult]:
-        """Train the jobs; tasks with server-assigned local steps (FedCompass) run in one
-        batch per step count, each with the settings the client runtime would use."""
-        steps = [self.flights[c].steps for c in clients]
-        if not any(steps) or (isinstance(self.executor, VectorisedExecutor) and all(steps)):
-            return self.executor.run(jobs, self.settings)  # vmap takes per-job steps
-        results: list[JobResult | None] = [None] * len(jobs)
-        for k in sorted(set(steps)):
-            idx = [i for i, s in enumerate(steps) if s == k]
-            settings = (dataclasses.replace(self.settings, local_steps=k) if k
-                        else self.settings)
-            group = [dataclasses.replace(jobs[i], steps=0) for i in idx]
-            for i, r in zip(idx, self.executor.run(group, settings),
-                            strict=True):
-                results[i] = r
-        return results  # type: ignore[return-value]
-
-    def _encode_attacked(self, clients: list[int], jobs: list[Job],
-                         results: list[JobResult]) -> None:
-        """:meth:`_train_pending`'s encoding when attacks or a hook are configured: each
-        client's update transform (where the runtime calls its ``update_hook``), then the
-        harness hook on the whole batch, then encoding."""
-        size = self.spec.size
-        updates = [delta_of(r.params, job.params) for job, r in zip(jobs, results, strict=True)]
-        for i, c in enumerate(clients):
-            transform = self._update_attacks.get(c)
-            if transform is not None:
-                updates[i] = check_update(transform(updates[i]), size, c, "the update attack")
-        if self.update_hook is not None:
-            for u in updates:
-                u.flags.writeable = False  # hooks return replacements
-            batch = UpdateBatch(
-                time_s=self.clock.now, clients=tuple(clients),
-                versions=tuple(self.flights[c].version for c in clients),
-                rounds=tuple(self.flights[c].round for c in clients),
-                num_examples=tuple(r.num_examples for r in results),
-                bases=tuple(job.params for job in jobs), updates=tuple(updates))
-            replaced = self.update_hook(batch) or {}
-            position = {c: i for i, c in enumerate(clients)}
-            for c, u in replaced.items():
-                if c not in position:
-                    raise ValueError(f"update_hook replaced the update of client {c!r}, which "
-                                     f"is not in this batch (clients {list(clients)})")
-                updates[position[c]] = check_update(u, size, c, "update_hook")
-        for c, r, update in zip(clients, results, updates, strict=True):
-            flight = self.flights[c]
-            flight.payload = self._encoder(c).encode(update)
-            flight.num_examples = r.num_examples
-            flight.metrics = dict(r.metrics)
-            flight.params = None
-
     # -- the end -------------------------------------------------------------------------
 
     def run(self) -> SimulationResult:
         """Run to the end (``max_versions``, ``max_time_s``, or no possible progress)."""
         self.advance()
         return self.finish()
-
-    def stats(self) -> dict[str, Any]:
-        virtual = self.clock.now
-        updates = self.core.traffic.updates
-        return {
-            "clients": self.sim.clients,
-            "execution_path": self.execution_path,
-            "execution": self.executor.describe(),
-            "probe": getattr(self, "probe_note", ""),
-            "torch_threads": self.sim.threads or default_workers(),
-            "data": self.data.source,
-            "virtual_s": virtual,
-            "wall_s": self._wall,
-            "train_wall_s": self.train_wall_s,
-            "speedup_vs_real_time": virtual / self._wall if self._wall else None,
-            "updates": updates,
-            "updates_per_wall_s": updates / self._wall if self._wall else None,
-            "events": self.events,
-            "training_batches": self.batches,
-            "mean_batch": self.batched_jobs / self.batches if self.batches else 0.0,
-            "lost_to_dropout": self.lost,
-            "refused": dict(self.refused),
-            "gave_up": self.gave_up,
-            "attackers": len(self.attacks),
-            "staleness_histogram": {str(k): v for k, v in sorted(self.staleness.items())},
-            "done": self.core.done,
-        }
-
-    def finish(self, *, plot: bool = True) -> SimulationResult:
-        """Write summary.json and the plots (when there is an output directory)."""
-        self.executor.close()
-        stats = self.stats()
-        recorder = self.core.recorder
-        if recorder is not None:
-            summary = recorder.finish({"wall_s": stats["wall_s"], "simulation": stats},
-                                      plot=plot)
-            rows = recorder.rows
-            if plot and (self.core.config.mode == "async" or len(self.staleness) > 1):
-                try:
-                    plot_staleness(self.staleness, recorder.out_dir / "staleness.png")
-                except Exception:  # a missing plot must not lose a finished run
-                    log.exception("could not draw the staleness histogram")
-        else:
-            rows = self.rows
-            last = rows[-1] if rows else {}
-            summary = {"versions": self.core.version, "final_accuracy": last.get("accuracy"),
-                       "final_loss": last.get("loss"), "time_s": last.get("time_s", 0.0),
-                       "updates": self.core.traffic.updates,
-                       "bytes_up": self.core.traffic.bytes_up,
-                       "bytes_down": self.core.traffic.bytes_down,
-                       "wall_s": stats["wall_s"], "simulation": stats}
-        return SimulationResult(summary=summary, params=self.core.params.copy(),
-                                version=self.core.version, rows=list(rows),
-                                execution_path=self.execution_path,
-                                virtual_s=stats["virtual_s"], wall_s=stats["wall_s"],
-                                staleness=dict(self.staleness), out_dir=self.out_dir)
-
-
-def plot_staleness(hist: dict[int, int] | Counter[int], path: Path) -> None:
-    """Bar chart: how many accepted updates had each staleness."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = sorted(hist)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(keys, [hist[k] for k in keys], color="tab:blue")
-    ax.set_xlabel("staleness (versions behind when the update arrived)")
-    ax.set_ylabel("accepted updates")
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
 
 __all__ = ["Simulation", "SimulationResult", "client_id", "plot_staleness"]

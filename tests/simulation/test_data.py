@@ -96,3 +96,22 @@ def test_a_simulation_runs_on_a_local_dataset_with_natural_clients(tmp_path: Pat
 def test_a_missing_dataset_path_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         load_local_dataset(tmp_path / "nope")
+
+
+def test_client_eval_split_is_the_deployed_clients_hold_out() -> None:
+    # Each virtual client's test split is what EvaluatingTrainer holds out of the same share
+    # (seed data_seed * 1_000_003 + index), and it leaves the share the client trains on.
+    from murmura.simulation.updates import split_for_client_eval
+    from murmura.tasks.app import holdout
+
+    task = TaskConfig(task="digits", model="mlp", partition="dirichlet", alpha=0.5)
+    data = load_simulation_data(task, SimulationConfig(clients=5))
+    split, tests = split_for_client_eval(data, seed=task.data_seed)
+    for c, share in enumerate(data.shares):
+        train_part, test_part = holdout(data.train.subset(share),
+                                        seed=task.data_seed * 1_000_003 + c)
+        assert np.array_equal(data.train.x[split.shares[c]], train_part.x)
+        assert np.array_equal(tests[c].x, test_part.x)
+        assert np.array_equal(tests[c].y, test_part.y)
+        assert len(split.shares[c]) + len(tests[c]) == len(share)
+    assert data.shares is not split.shares  # the caller's data is left as it was

@@ -12,6 +12,7 @@ and these tests pin one thread for the in-process run too.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -36,8 +37,9 @@ pytestmark = pytest.mark.integration
 
 CLIENTS, VERSIONS, SEED = 4, 3, 7
 TASK = TaskConfig(task="digits", model="mlp", partition="dirichlet", alpha=0.5)
-SERVER = ServerConfig(max_versions=VERSIONS, seed=SEED, train=TaskSettings(local_epochs=1),
-                      require_identity=False)  # the simulator runs without identities
+SERVER = ServerConfig.from_flat(max_versions=VERSIONS, seed=SEED,
+                                train=TaskSettings(local_epochs=1),
+                                require_identity=False)  # the simulator runs without identities
 COMPARED = ("version", "round", "updates", "updates_in_version", "bytes_up", "bytes_down",
             "accuracy", "loss")
 
@@ -66,9 +68,10 @@ def grpc_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, list
     return _grpc_run(tmp_path_factory.mktemp("grpc"))
 
 
-def _simulate(tmp_path: Path, **kw) -> tuple[np.ndarray, list[dict], str]:
+def _simulate(tmp_path: Path, server: ServerConfig = SERVER,
+              **kw) -> tuple[np.ndarray, list[dict], str]:
     sim = SimulationConfig(clients=CLIENTS, out=str(tmp_path), **kw)
-    result = simulate(TASK, SERVER, sim)
+    result = simulate(TASK, server, sim)
     return result.params, result.rows, result.execution_path
 
 
@@ -94,6 +97,24 @@ def test_a_server_decoding_in_worker_processes_gives_the_same_model(grpc_run,
     assert params.tobytes() == want_params.tobytes() == grpc_run[0].tobytes()
     assert [{k: r[k] for k in COMPARED} for r in rows] == \
         [{k: r[k] for k in COMPARED} for r in want_rows]
+
+
+@pytest.mark.slow
+def test_evaluation_on_the_clients_matches_murmura_run(tmp_path: Path) -> None:
+    # Every second version the clients measure the global model on a held-out part of their
+    # share and train on the rest: the same split, the same figures, the same model.
+    want_params, want_rows = _grpc_run(tmp_path / "grpc", "--client-eval-every", "2")
+    server = dataclasses.replace(SERVER, train=TaskSettings(local_epochs=1,
+                                                            client_eval_every=2))
+    params, rows, _ = _simulate(tmp_path / "sim", server, vectorise="off", workers=1)
+    evals = [{k: v for k, v in r.items() if k.startswith("client_eval")} for r in rows]
+    assert [e.get("client_eval_clients") for e in evals] == [CLIENTS, None, CLIENTS]
+    assert evals == [{k: v for k, v in r.items() if k.startswith("client_eval")}
+                     for r in want_rows]
+    assert params.tobytes() == want_params.tobytes()
+    # the held-out examples are no longer trained on: the model differs from the run without
+    plain = _simulate(tmp_path / "plain", vectorise="off", workers=1)[0]
+    assert params.tobytes() != plain.tobytes()
 
 
 def test_vectorised_simulation_matches_murmura_run_within_float_rounding(

@@ -1,0 +1,107 @@
+"""Who the virtual clients are and what trains them: devices, availability, the executor.
+
+Built once, before the first event: each client's device speed and link (sampled, or from a
+trace), when it is online (always, churn, or a trace), and which executor trains the batches
+(vectorised with torch.func where the model allows, else a loop, a process pool or Ray; the
+client's own trainer where the settings or the app require it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from murmura.protocols import TaskSettings
+from murmura.simulation.config import SimulationConfig
+from murmura.simulation.data import SimulationData
+from murmura.simulation.devices import (
+    AlwaysOn,
+    Availability,
+    Churn,
+    DevicePopulation,
+    TraceAvailability,
+)
+from murmura.simulation.execution import (
+    Executor,
+    LoopExecutor,
+    PoolExecutor,
+    check_own_trainer_path,
+    default_workers,
+    has_own_train,
+)
+from murmura.simulation.ray_executor import RayExecutor
+from murmura.simulation.vectorised import VectorisationError, VectorisedExecutor
+
+log = logging.getLogger(__name__)
+
+
+def device_population(sim: SimulationConfig, seed: int) -> DevicePopulation:
+    """Each client's step time, link and latency: from ``sim.device_trace``, else sampled."""
+    if sim.device_trace:
+        return DevicePopulation.from_trace(sim.device_trace, sim.clients,
+                                           uplink_mbps=sim.uplink_mbps,
+                                           downlink_mbps=sim.downlink_mbps,
+                                           latency_ms=sim.latency_ms)
+    return DevicePopulation.sample(sim.clients, seed=seed, step_time_s=sim.step_time_s,
+                                   speed_spread=sim.speed_spread, uplink_mbps=sim.uplink_mbps,
+                                   downlink_mbps=sim.downlink_mbps, latency_ms=sim.latency_ms,
+                                   bandwidth_spread=sim.bandwidth_spread,
+                                   stragglers=sim.stragglers,
+                                   straggler_factor=sim.straggler_factor)
+
+
+def availability(sim: SimulationConfig, seed: int) -> Availability:
+    """When each client is online: always, exponential churn, or a trace file."""
+    if sim.availability == "always":
+        return AlwaysOn()
+    if sim.availability == "churn":
+        return Churn(sim.clients, mean_online_s=sim.mean_online_s,
+                     mean_offline_s=sim.mean_offline_s, seed=seed)
+    return TraceAvailability.from_file(sim.availability)
+
+
+def choose_executor(sim: SimulationConfig, data: SimulationData,
+                    settings: TaskSettings) -> tuple[Executor, str]:
+    """The executor that trains the batches, and a note on why (for the run's summary).
+
+    The zeroth-order trainer and an app's own ``train``/``loss`` run each client's own
+    trainer (its step log or its function is what the client would run); otherwise the
+    vectorised path is probed against the plain trainer and used when it agrees, falling back
+    to a process pool (several cores) or a loop, unless ``sim.executor`` names one.
+    """
+    factory, train, shares = data.task.model_factory, data.train, data.shares
+    workers = sim.workers or default_workers()
+    own_train = has_own_train(data.task)
+    if settings.trainer == "zo" or own_train:
+        what = "an app's own train() or loss()" if own_train else "the zeroth-order trainer"
+        check_own_trainer_path(what, sim.executor, sim.vectorise)
+        note = f"{what}: each client's own trainer"
+        if sim.executor == "pool" or (sim.executor != "loop" and workers > 1):
+            return PoolExecutor(factory, train, shares, workers=workers, task=data.task), note
+        return LoopExecutor(factory, train, shares, task=data.task), note
+    if sim.executor in ("loop", "pool", "ray"):
+        note = f"executor={sim.executor!r}"
+        if sim.executor == "ray":
+            return RayExecutor(factory, train, shares, address=sim.ray_address or None,
+                               workers=sim.workers), note
+        if sim.executor == "pool":
+            return PoolExecutor(factory, train, shares, workers=workers), note
+        return LoopExecutor(factory, train, shares), note
+    if sim.vectorise != "off":
+        try:
+            ex = VectorisedExecutor(factory, train, shares, chunk_size=sim.chunk_size)
+            return ex, ex.probe(settings)
+        except VectorisationError as exc:
+            if sim.vectorise == "on" or sim.executor == "vmap":
+                asked = "vectorise='on'" if sim.vectorise == "on" else "executor='vmap'"
+                raise ValueError(f"{asked} but the model can't be vectorised: {exc}") from exc
+            log.warning("vectorised training is not possible for this model (%s); falling "
+                        "back to %s", exc, "a process pool" if workers > 1 else "a plain loop")
+            note = f"vmap unavailable: {exc}"
+    else:
+        note = "vectorise='off'"
+    if workers > 1:
+        return PoolExecutor(factory, train, shares, workers=workers), note
+    return LoopExecutor(factory, train, shares), note
+
+
+__all__ = ["availability", "choose_executor", "device_population"]
