@@ -42,7 +42,7 @@ from murmura.aggregation.robust_stats import (
     clip_scales,
     weighted_sum,
 )
-from murmura.aggregation.sybil import sketch_rows
+from murmura.aggregation.sybil_scores import sketch_rows
 
 __all__ = ["DivideAndConquer", "Flame"]
 

@@ -38,9 +38,9 @@ of the reference plus every step applied, in one pass over theta per block. ``dr
 time to draw the same Rademacher vectors with the best exact generator on that device without
 touching a model. On a CPU: for each stream, block by block, the words hashed into a reused
 buffer (``prng.hash_words_into``) and expanded to +-1 (``index_select`` into a reused block),
-as ``seed._apply_steps_cpu`` does but without the add, on one torch thread as it runs. On CUDA:
-one launch per stream of the fused kernel ``seed_triton.apply_steps_cuda`` with one step on a
-scratch vector, which therefore includes that vector's read and write per stream.
+as ``seed_steps._apply_steps_cpu`` does but without the add, on one torch thread as it runs.
+On CUDA: one launch per stream of the fused kernel ``seed_triton.apply_steps_cuda`` with one
+step on a scratch vector, which therefore includes that vector's read and write per stream.
 
 Targets (computed from the measurements): on a CPU ``zo_step_vs_mezo_cpu_<size>`` <= 0.5 and
 ``zo_step_vs_floor_cpu_<size>`` <= 2.0 for every size run; on CUDA
@@ -260,7 +260,7 @@ def mezo_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int,
 
 
 def draw_cpu(n: int, keys: Sequence[tuple[int, int]], block: int = APPLY_BLOCK) -> torch.Tensor:
-    """The CPU replay kernel's generator alone (``seed.BlockDraw``, as ``_apply_steps_cpu``
+    """The CPU replay kernel's generator alone (``seed_steps.BlockDraw``, as ``_apply_steps_cpu``
     calls it, without the coefficient and the add): every stream's +-1 values, block by
     block. Returns the last block drawn."""
     draw = BlockDraw(min(block, n))
