@@ -6,7 +6,8 @@ A Flower ``NumPyClient`` already says everything a Murmura :class:`Trainer` need
 passes Murmura's task settings (lr, local_epochs, batch_size, seed, ...) in Flower's ``config``
 dict, so a client that reads ``config["lr"]`` follows the server's settings.
 
-Accepted by :func:`load_flower_client` (``murmura client --flower-app MODULE:ATTR``):
+Accepted by :func:`~murmura.client.flower_load.load_flower_client` (``murmura client
+--flower-app MODULE:ATTR``):
 
 * a ``NumPyClient`` instance, or a ``NumPyClient`` subclass that takes no arguments;
 * a ``client_fn(context)`` (or zero-argument factory) returning a ``NumPyClient`` or the
@@ -14,7 +15,14 @@ Accepted by :func:`load_flower_client` (``murmura client --flower-app MODULE:ATT
   ``partition-id`` = the client index and ``num-partitions`` = the number of clients, as
   Flower's simulation sets them;
 * a ``ClientApp`` built from such a ``client_fn`` (``ClientApp(client_fn=client_fn)``): it is
-  driven through its public message interface (``get_parameters`` and ``train`` messages).
+  driven through its public message interface (``get_parameters`` and ``train`` messages);
+* a Message-API ``ClientApp`` (``@app.train()`` handlers), run by
+  :class:`~murmura.client.flower_message.MessageAppTrainer`;
+* a Flower app directory (its ``pyproject.toml`` names the ``clientapp``).
+
+The app's ``pyproject.toml`` (found next to or above its module) gives ``context.run_config``
+(:mod:`murmura.client.flower_app`). A client with no ``get_parameters`` (and every Message-API
+app) takes its initial model from the app's ``ServerApp``, as under ``flwr run``.
 
 Only floating-point arrays are federated; integer arrays (say a BatchNorm
 ``num_batches_tracked``) stay local, as for Murmura's own torch models.
@@ -22,17 +30,16 @@ Only floating-point arrays are federated; integer arrays (say a BatchNorm
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from murmura.client.flower_app import (
+    FlowerAppError,
+)
 from murmura.client.trainer import Trainer, TrainResult
 from murmura.protocols import FlatVector, ModelSpec, TaskSettings
 from murmura.protocols.spec import TensorSpec
@@ -41,10 +48,6 @@ log = logging.getLogger(__name__)
 
 NDArrays = list[npt.NDArray[Any]]
 _FLOAT_KINDS = {"float16": "float16", "float32": "float32", "float64": "float64"}
-
-
-class FlowerAppError(ValueError):
-    """A ``--flower-app`` value that cannot be loaded or used; the message says why."""
 
 
 # -- arrays <-> flat vector -------------------------------------------------------------------
@@ -178,11 +181,8 @@ class _ClientAppDriver(_Driver):
             make: Any = Message  # the metadata= form is missing from flwr's overloads
             reply = self.app(make(content=content, metadata=meta), self.context)
         except Exception as exc:
-            hint = (" (a ClientApp built with @app.train() has no get_parameters: point "
-                    "--flower-app at its NumPyClient or client_fn)"
-                    if message_type == "get_parameters" else "")
             raise FlowerAppError(f"the ClientApp failed a {message_type} message: "
-                                 f"{type(exc).__name__}: {str(exc)[:80]}{hint}") from exc
+                                 f"{type(exc).__name__}: {str(exc)[:80]}") from exc
         if reply.has_error():
             raise FlowerAppError(f"the ClientApp failed a {message_type} message: "
                                  f"{str(reply.error.reason)[:120]}")
@@ -218,11 +218,15 @@ class _ClientAppDriver(_Driver):
 class FlowerTrainer(Trainer):
     """A Flower client as a Murmura :class:`Trainer` (see the module docstring)."""
 
-    def __init__(self, driver: _Driver) -> None:
+    def __init__(self, driver: _Driver, template: NDArrays | None = None) -> None:
         self.driver = driver
-        self._template = driver.get_parameters()
+        self._template = template if template is not None else driver.get_parameters()
         self.spec = spec_from_arrays(self._template)
         self._version: int | None = None
+        #: Server settings the app's own config suggests (see :func:`app_defaults`).
+        self.app_defaults: dict[str, Any] = {}
+        #: The run config the app was given (its pyproject's, with overrides).
+        self.run_config: dict[str, Any] = {}
 
     @classmethod
     def from_client(cls, client: Any) -> FlowerTrainer:
@@ -289,128 +293,5 @@ def _numpy_client(obj: Any) -> Any:
     return None
 
 
-# -- loading MODULE:ATTR ---------------------------------------------------------------------
-
-def _import(module_ref: str) -> Any:
-    if module_ref.endswith(".py") or "/" in module_ref:
-        path = Path(module_ref)
-        if not path.is_file():
-            raise FlowerAppError(f"no such file {module_ref[:60]!r}")
-        name = f"_murmura_flower_app_{abs(hash(str(path.resolve())))}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise FlowerAppError(f"cannot import {module_ref[:60]!r}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        sys.path.insert(0, str(path.resolve().parent))  # its sibling modules import
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            sys.modules.pop(name, None)
-            raise FlowerAppError(f"importing {module_ref[:60]!r} failed: "
-                                 f"{type(exc).__name__}: {str(exc)[:80]}") from exc
-        finally:
-            sys.path.remove(str(path.resolve().parent))
-        return module
-    try:
-        return importlib.import_module(module_ref)
-    except ModuleNotFoundError as exc:
-        if exc.name and module_ref.startswith(exc.name):
-            raise FlowerAppError(f"no module named {module_ref[:60]!r} (give an importable "
-                                 f"module or a path to a .py file)") from None
-        raise FlowerAppError(f"importing {module_ref[:60]!r} failed: {str(exc)[:80]}") from exc
-    except Exception as exc:
-        raise FlowerAppError(f"importing {module_ref[:60]!r} failed: "
-                             f"{type(exc).__name__}: {str(exc)[:80]}") from exc
-
-
-def _context(client_index: int, num_clients: int) -> Any:
-    from flwr.app import Context, RecordDict
-
-    return Context(run_id=0, node_id=client_index + 1,
-                   node_config={"partition-id": client_index, "num-partitions": num_clients},
-                   state=RecordDict(), run_config={})
-
-
-def load_flower_client(ref: str, *, client_index: int = 0, num_clients: int = 1
-                       ) -> FlowerTrainer:
-    """Load ``MODULE:ATTR`` (MODULE importable, or a path to a ``.py`` file) as a trainer.
-
-    Raises :class:`FlowerAppError` with a one-line reason for a malformed reference, a
-    missing module or attribute, or an object that is no Flower client.
-    """
-    import inspect
-
-    from flwr.client import NumPyClient
-    from flwr.clientapp import ClientApp
-
-    module_ref, sep, attr = ref.rpartition(":")
-    if not sep or not module_ref or not attr:
-        raise FlowerAppError(f"--flower-app must be MODULE:ATTR or FILE.py:ATTR, got "
-                             f"{ref[:60]!r}")
-    module = _import(module_ref)
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise FlowerAppError(f"{module_ref[:60]} has no attribute {attr[:40]!r}")
-        obj = getattr(obj, part)
-    context = _context(client_index, num_clients)
-    if isinstance(obj, ClientApp):
-        return FlowerTrainer(_ClientAppDriver(obj, context))
-    made = obj
-    if isinstance(obj, type) and issubclass(obj, NumPyClient):
-        made = obj()
-    elif callable(obj) and _numpy_client(obj) is None:
-        try:
-            n_args = len(inspect.signature(obj).parameters)
-        except (TypeError, ValueError):
-            n_args = 1
-        try:
-            made = obj(context) if n_args >= 1 else obj()
-        except Exception as exc:
-            raise FlowerAppError(f"calling {attr[:40]}({'context' if n_args else ''}) failed: "
-                                 f"{type(exc).__name__}: {str(exc)[:80]}") from exc
-    client = _numpy_client(made)
-    if client is None:
-        raise FlowerAppError(f"{attr[:40]!r} is a {type(obj).__name__}; expected a Flower "
-                             f"NumPyClient, a client_fn(context) returning one, or a "
-                             f"ClientApp(client_fn=...)")
-    return FlowerTrainer(_NumPyDriver(client))
-
-
-def run_flower_client(cfg: Any, ref: str, *, identity: Any = None) -> Any:
-    """``murmura client --flower-app REF``: join ``cfg.server`` with the Flower client as the
-    trainer (partition ``cfg.client_index`` of ``cfg.num_clients``) until the server says
-    stop; returns the runtime's stats."""
-    import torch
-
-    from murmura.client.runtime import ClientRuntime, RetryPolicy
-    from murmura.client.status import StatusTrainer
-    from murmura.client.transport import GrpcTransport
-    from murmura.protocols.tls import channel_credentials
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    if identity is None:
-        identity = cfg.node_key()  # a bad key file fails before the app is loaded
-    tls = cfg.tls()
-    if tls is not None:
-        channel_credentials(tls)
-    trainer: Trainer = load_flower_client(ref, client_index=cfg.client_index,
-                                          num_clients=cfg.num_clients)
-    log.info("Flower client %s: %d arrays, %d values", ref[:60], len(trainer.spec.tensors),
-             trainer.spec.size)
-    running = StatusTrainer(trainer, cfg.status_file) if cfg.status_file else trainer
-    transport = GrpcTransport(cfg.server, tls=tls, insecure=cfg.insecure)
-    try:
-        runtime = ClientRuntime(transport, running, client_id=cfg.client_id, identity=identity,
-                                token=cfg.token, codec=cfg.codec, wait_s=cfg.wait_s,
-                                retry=RetryPolicy(give_up_after_s=cfg.give_up_after_s))
-        log.info("client id %s", runtime.client_id)
-        return runtime.run(max_tasks=cfg.max_tasks)
-    finally:
-        transport.close()
-
-
-__all__ = ["FlowerAppError", "FlowerTrainer", "flatten_arrays", "load_flower_client",
-           "run_flower_client", "settings_config", "spec_from_arrays", "unflatten_arrays"]
+__all__ = ["FlowerAppError", "FlowerTrainer", "flatten_arrays", "settings_config",
+           "spec_from_arrays", "unflatten_arrays"]

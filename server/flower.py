@@ -14,6 +14,7 @@ and adds the rule's aggregate back to the global arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,9 +22,14 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+
+try:
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+    from flwr.serverapp import Grid
+    from flwr.serverapp.strategy import FedAvg
+except ImportError as exc:  # Flower is the [flower] extra
+    raise ImportError("murmura.server.flower needs Flower: pip install 'murmura[flower]'"
+                      ) from exc
 
 from murmura.aggregation import (
     AggregationError,
@@ -32,8 +38,9 @@ from murmura.aggregation import (
     create_aggregator,
     staleness_function,
 )
-from murmura.client.flower import load_flower_client
+from murmura.client.flower_load import load_flower_client
 from murmura.server.app import assemble_core
+from murmura.server.client_train import ClientTrainMetrics
 from murmura.server.config import ServerConfig
 from murmura.server.core import AggregatorCore
 
@@ -46,23 +53,68 @@ TRAINED_ROUND_KEY = "trained-round"
 
 def flower_core(config: ServerConfig, ref: str, *, out_dir: str | Path | None,
                 resume: str | Path | None = None, durable: bool = False,
-                evaluate: bool = True) -> AggregatorCore:
-    """An aggregator core for the model of the Flower client at ``ref`` (``MODULE:ATTR``).
+                evaluate: bool = True, run_config: str | dict[str, Any] | None = None,
+                given: Iterable[str] | None = None,
+                extra_config: dict[str, Any] | None = None) -> AggregatorCore:
+    """An aggregator core for the model of the Flower app at ``ref`` (``MODULE:ATTR`` or an
+    app directory; see :func:`murmura.client.flower_load.load_flower_client`).
 
-    The initial global model is what the client's ``get_parameters`` gives for partition 0 of
-    1, so every Flower client built by the same code has the same :class:`ModelSpec`. When the
-    client overrides ``evaluate``, the server evaluates each global version with it (on that
-    client's evaluation data), which fills ``accuracy`` in metrics.jsonl when the client
-    reports one.
+    The initial global model is what the app gives for partition 0 of 1 (``get_parameters``,
+    or the arrays its ServerApp starts from), so every client built by the same code has the
+    same :class:`ModelSpec`. Server settings the app's own config names (its ``lr``,
+    ``local-epochs``, ``num-server-rounds``) replace the defaults of those not in ``given``
+    (the flat keys the user set). When the app evaluates (a NumPyClient's ``evaluate`` or an
+    ``@app.evaluate()`` handler), the server evaluates each global version with it, which
+    fills ``accuracy`` in metrics.jsonl when the app reports one; the clients' training
+    metrics go into each row as ``client_train_<name>_mean`` (server/client_train.py).
     """
-    trainer = load_flower_client(ref, client_index=0, num_clients=1)
+    config, trainer = flower_config(config, ref, run_config=run_config, given=given)
     evaluator = trainer.evaluator() if evaluate else None
     log.info("serving the Flower app %s: %d arrays, %d values%s", ref[:60],
              len(trainer.spec.tensors), trainer.spec.size,
              ", evaluated with its evaluate()" if evaluator else "")
-    return assemble_core(config, trainer.spec, trainer.initial(), out_dir=out_dir,
+    table = {"server": config.table(), "flower_app": ref,
+             "flower_run_config": trainer_run_config(trainer), **(extra_config or {})}
+    core = assemble_core(config, trainer.spec, trainer.initial(), out_dir=out_dir,
                          resume=resume, evaluator=evaluator, durable=durable,
-                         run_config={"server": config.table(), "flower_app": ref})
+                         run_config=table)
+    core.client_train = ClientTrainMetrics()
+    return core
+
+
+def flower_config(config: ServerConfig, ref: str, *, run_config: str | dict[str, Any] | None,
+                  given: Iterable[str] | None = None, num_clients: int = 1
+                  ) -> tuple[ServerConfig, Any]:
+    """(``config`` with the app's suggested settings where the user gave none, the app's
+    trainer for partition 0 of ``num_clients``)."""
+    trainer = load_flower_client(ref, client_index=0, num_clients=num_clients,
+                                 run_config_overrides=run_config, seed=config.seed)
+    taken = set(given or ())
+    train = {k: v for k, v in trainer.app_defaults.items()
+             if k not in taken and k in ("lr", "local_epochs")}
+    if train:
+        config = config.replace(train=dataclasses.replace(config.train, **train))
+    if "max_versions" in trainer.app_defaults and "max_versions" not in taken:
+        config = config.replace(max_versions=trainer.app_defaults["max_versions"])
+    if train or "max_versions" in trainer.app_defaults and "max_versions" not in taken:
+        log.info("settings from the Flower app's config: %s",
+                 {k: v for k, v in trainer.app_defaults.items() if k not in taken})
+    return config, trainer
+
+
+def trainer_run_config(trainer: Any) -> dict[str, Any]:
+    """The run config a Flower trainer's app sees (recorded in summary.json)."""
+    return dict(getattr(trainer, "run_config", {}) or {})
+
+
+def given_keys(args: Any, toml: dict[str, Any]) -> set[str]:
+    """The flat server keys the user set, by flag or in the config file's ``[server]`` (or
+    ``[server.train]``) table: the app's suggestions do not replace them."""
+    server = toml.get("server", {}) or {}
+    keys = {k for k in ("lr", "local_epochs", "max_versions")
+            if getattr(args, k, None) is not None or k in server
+            or k in (server.get("train", {}) or {})}
+    return keys
 
 
 # -- strategies -------------------------------------------------------------------------------
@@ -202,4 +254,4 @@ class StalenessStrategy(MurmuraStrategy):
 
 
 __all__ = ["MurmuraStrategy", "RobustStrategy", "StalenessStrategy", "SybilStrategy",
-           "TRAINED_ROUND_KEY", "flower_core"]
+           "TRAINED_ROUND_KEY", "flower_config", "flower_core", "given_keys"]

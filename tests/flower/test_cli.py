@@ -63,7 +63,7 @@ def test_server_and_client_processes_run_a_flower_client(tmp_path: Path) -> None
     ("no_such_module_xyz:client_fn", "no module named 'no_such_module_xyz'"),
     (f"{EXAMPLE}:nope", "has no attribute 'nope'"),
     (f"{EXAMPLE}:make_model", "'make_model' is a function; expected a Flower NumPyClient"),
-    ("client_fn", "--flower-app must be MODULE:ATTR or FILE.py:ATTR"),
+    ("client_fn", "--flower-app must be MODULE:ATTR, FILE.py:ATTR or an app directory"),
     ("missing/file.py:app", "no such file 'missing/file.py'"),
 ])
 @pytest.mark.parametrize("command", ["client", "server"])

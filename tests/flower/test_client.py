@@ -12,12 +12,8 @@ import pytest
 from flwr.client import NumPyClient
 
 from murmura.client import ClientConfig
-from murmura.client.flower import (
-    FlowerAppError,
-    FlowerTrainer,
-    load_flower_client,
-    run_flower_client,
-)
+from murmura.client.flower import FlowerAppError, FlowerTrainer
+from murmura.client.flower_load import load_flower_client, run_flower_client
 from murmura.protocols import TaskSettings
 from murmura.server import ServerConfig, ServerThread
 from murmura.server.flower import flower_core
@@ -122,8 +118,9 @@ def test_a_murmura_server_trains_flower_clients_over_grpc(server: dict[str, Any]
     assert final["accuracy"] > initial["accuracy"] + 0.3
 
 
-def test_a_message_api_client_app_is_refused_with_a_hint() -> None:
-    with pytest.raises(FlowerAppError, match=r"has no get_parameters: point --flower-app at"):
+def test_a_message_api_client_app_without_a_serverapp_is_refused_with_a_hint() -> None:
+    with pytest.raises(FlowerAppError, match=r"has no model of its own, and no pyproject.toml "
+                                             r"with a serverapp"):
         load_flower_client(f"{ROOT / 'tests' / 'flower' / 'sim_apps.py'}:app")
 
 
