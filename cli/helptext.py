@@ -18,12 +18,13 @@ def _join(values: object) -> str:
 
 def choices() -> dict[str, str]:
     """Valid values of the registry-backed options, as comma-separated lists (read at each
-    parser build: an app file may have registered more rules since the last one)."""
-    from murmura.aggregation import available_aggregators, available_optimizers
-    from murmura.client.malicious import ATTACKS
-    from murmura.edge import AMP_MODES, DEVICES
+    parser build: an app file may have registered more rules since the last one). Read
+    through :mod:`murmura.catalog` and config modules only: ``--help`` loads no torch."""
+    from murmura.catalog import AMP_MODES, ATTACKS, DEVICES
+    from murmura.catalog import codecs as available_codecs
+    from murmura.catalog import optimizers as available_optimizers
+    from murmura.catalog import rules as available_aggregators
     from murmura.gossip.config import TOPOLOGIES
-    from murmura.protocols.codecs import available_codecs
     from murmura.server.config import (
         ACCUMULATORS,
         BACKENDS,
@@ -33,8 +34,7 @@ def choices() -> dict[str, str]:
         STALENESS,
     )
     from murmura.simulation.config import DROPOUT, EXECUTORS, VECTORISE
-    from murmura.tasks.partition import PARTITIONERS
-    from murmura.tasks.registry import TASK_MODELS, TASKS
+    from murmura.tasks.config import PARTITIONERS, TASK_MODELS
 
     by_models: dict[tuple[str, ...], list[str]] = {}  # tasks that share one list of models
     for task, models in TASK_MODELS.items():
@@ -52,7 +52,7 @@ def choices() -> dict[str, str]:
                             for models, tasks in by_models.items()),
         "default_models": ", ".join(f"{models[0]} for {' and '.join(tasks)}"
                                     for models, tasks in by_models.items()),
-        "tasks": _join(sorted(TASKS)),
+        "tasks": _join(sorted(TASK_MODELS)),
     }
 
 
@@ -170,10 +170,17 @@ FIELD_HELP: dict[str, dict[str, str]] = {
                       "forward passes, as a captured CUDA graph (fewer launches: pays for "
                       "small models and batches, and makes bf16 pay there; see docs/edge.md)",
         "status_file": "write progress JSON here after every task (murmura launch)",
-        "give_up_after_s": "exit when the aggregator cannot be reached for this many seconds "
-                           "(from the first try)",
+        "give_up_after_s": "exit when an aggregator that has answered before cannot be "
+                           "reached for this many seconds (from the first failed try)",
+        "give_up_unreached_s": "exit when the aggregator has not answered once within this "
+                               "many seconds of the first try (a wrong address or port, a "
+                               "server not started), naming the address and what failed; "
+                               "once it has answered, --give-up-after-s applies",
         "attack": "red-team mode for tests: {attacks} (empty: honest)",
-        "attack_options": "the attack's options, e.g. scale=10",
+        "attack_options": "the attack's options: label-flip source, target; backdoor "
+                          "target, fraction, patch, boost; sign-flip scale; scale factor; "
+                          "noise std, relative (e.g. --attack scale --attack-option "
+                          "factor=10)",
         "ack_log": "append one JSON line per acknowledged update to this file",
     },
     "PeerConfig": {
@@ -187,8 +194,15 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "threads": "torch intra-op threads (0: torch's default)",
         "catch_up": "a late joiner: pull the most advanced peer's model first",
         "attack": "red-team mode: {attacks} (empty: honest)",
-        "attack_options": "the attack's options, e.g. scale=10",
+        "attack_options": "the attack's options: label-flip source, target; backdoor "
+                          "target, fraction, patch, boost; sign-flip scale; scale factor; "
+                          "noise std, relative (e.g. --attack scale --attack-option "
+                          "factor=10)",
         "report": "directory for per-round rows (murmura run --gossip)",
+        "key": "identity key FILE from `murmura keys new`: the peer signs its messages and "
+               "keeps its id across restarts (default: a new ephemeral key per run)",
+        "unsigned": "send unsigned messages, for peers that predate signatures (the id is "
+                    "then bound to the first address it is seen at)",
     },
     "GossipConfig": {
         "rounds": "gossip rounds each peer runs (>= 1)",
@@ -207,6 +221,8 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "round_timeout_s": "how long a peer waits for its neighbours' models each round",
         "min_messages": "models to wait for each round (0: the expected in-degree)",
         "max_round_lag": "drop models more than this many rounds behind",
+        "require_signatures": "refuse messages from peers that do not sign them "
+                              "(UNAUTHENTICATED); every peer of a run must agree on it",
         "max_inbox": "models a peer holds between two mixes (0: twice the largest of view, "
                      "degree, fanout, sample size; at least 64)",
         "min_peers": "peers (self included) to know of before the first round",
@@ -219,6 +235,8 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "seed": "seed of the topology's hashes and of training",
         "seed_mode": "zeroth-order training; peers send (seed, scalar) step logs, not models",
         "zo_eps": "seed mode: perturbation size (> 0)",
+        "journal_rounds": "seed mode: rounds of step logs a peer keeps so that a late "
+                          "joiner (--catch-up) can replay them (>= 1)",
         "sample_size": "modest: trainers sampled per round",
         "aggregators": "modest: aggregators sampled per round",
     },

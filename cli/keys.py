@@ -4,6 +4,7 @@ and client certificates for TLS and mutual TLS (docs/security.md)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 __all__ = ["cmd_certs", "cmd_keys"]
 
@@ -11,8 +12,16 @@ __all__ = ["cmd_certs", "cmd_keys"]
 def cmd_keys(args: argparse.Namespace) -> int:
     from murmura.protocols.identity import NodeKey
 
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {args.out} is a directory; name the key FILE inside it")
+    try:  # `--out keys/node.key` in a fresh checkout: make keys/ (as `certs` makes its DIR)
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = "a file is in the way" if isinstance(exc, FileExistsError) else exc.strerror
+        raise ValueError(f"cannot create the directory of --out {args.out}: {why}") from None
     key = NodeKey.generate()
-    pub = key.save(args.out)
+    pub = key.save(out)
     print(f"wrote {args.out} (private, mode 0600) and {pub}")
     print(f"client id  {key.client_id}")
     print(f"public key {key.public_hex}")

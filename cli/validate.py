@@ -363,6 +363,8 @@ def _client(args: argparse.Namespace, toml: dict[str, Any]) -> None:
     check_codec(cfg.codec, {}, "--codec", client=True)
     if cfg.give_up_after_s < 0:
         raise UsageError(f"--give-up-after-s must be >= 0, got {cfg.give_up_after_s}")
+    if cfg.give_up_unreached_s < 0:
+        raise UsageError(f"--give-up-unreached-s must be >= 0, got {cfg.give_up_unreached_s}")
 
 
 @check("peer")

@@ -22,6 +22,14 @@ from murmura.tasks import ArrayDataset
 
 ATTACKS = ("", "label-flip", "backdoor", "sign-flip", "scale", "noise")
 
+#: The options each attack reads (``--attack-option KEY=VALUE``): an unknown one is refused
+#: with this list, so a typo never runs an attack with its defaults.
+ATTACK_OPTIONS: dict[str, tuple[str, ...]] = {
+    "": (), "label-flip": ("source", "target"),
+    "backdoor": ("target", "fraction", "patch", "boost"), "sign-flip": ("scale",),
+    "scale": ("factor",), "noise": ("std", "relative"),
+}
+
 
 @dataclass(frozen=True)
 class Attack:
@@ -96,5 +104,9 @@ def make_attack(name: str, options: dict[str, str] | None = None, *, seed: int =
 
         attack = Attack(update=noise)
     if opts:
-        raise ValueError(f"attack {name!r}: unknown option(s) {sorted(opts)}")
+        valid = ATTACK_OPTIONS[name]
+        raise ValueError(f"attack {name!r}: unknown option{'s' * (len(opts) > 1)} "
+                         f"{', '.join(map(repr, sorted(opts)))}; "
+                         + (f"its options: {', '.join(valid)}" if valid
+                            else "it takes no options"))
     return attack

@@ -28,7 +28,7 @@ from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols import murmura_pb2_grpc as pb_grpc
 from murmura.protocols.identity import NodeKey
 from murmura.protocols.pool import POOL_SCALARS_CODEC
-from murmura.protocols.tls import ClientTls, channel_credentials, is_loopback
+from murmura.protocols.tls import ClientTls, channel_credentials, is_loopback, spoken_protocol
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,14 @@ class RemoteError(Exception):
         return self.status in RETRYABLE or self.retry_after_s is not None
 
 
+class TlsMismatch(RemoteError):
+    """The client and the aggregator disagree on TLS: no retry can succeed, a flag must
+    change, so the message names it (FAILED_PRECONDITION: not retryable)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("FAILED_PRECONDITION", message)
+
+
 class Transport(ABC):
     @abstractmethod
     def join(self, client_id: str, profile: DeviceProfile, token: str = "",
@@ -94,6 +102,13 @@ class Transport(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 
+    @property
+    def connected(self) -> bool:
+        """Whether the aggregator has answered once: until then the runtime gives up after
+        its own, shorter limit (a wrong address should fail in seconds, not minutes). An
+        in-memory transport is always connected."""
+        return True
+
     def pull_pool_base(self, session: str) -> tuple[int, FlatVector]:
         """Seed-pool runs: ``(base_version, base)``, the model the pool's scalars apply to."""
         raise NotImplementedError(f"{type(self).__name__} cannot pull a seed pool's base")
@@ -123,6 +138,7 @@ class GrpcTransport(Transport):
                  chunk_bytes: int = serde.CHUNK_BYTES, tls: ClientTls | None = None,
                  insecure: bool = False, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.address = address
+        self.tls = tls
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._connected = False  # the aggregator has answered once
@@ -174,10 +190,32 @@ class GrpcTransport(Transport):
         up to the call deadline, ``timeout_s``, for a restarted server); with nothing
         listening it fails with a retryable :class:`RemoteError` (``UNAVAILABLE``) that names
         the address, logs a warning with a hint the first time, and the runtime's retry
-        policy decides when to give up.
+        policy decides when to give up. A server that speaks the other protocol (TLS against
+        plaintext) fails it with :class:`TlsMismatch`, which no retry can cure.
         """
         if not self._connected:
             self.challenge()
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    def _diagnose(self) -> TlsMismatch | str | None:
+        """Why a first contact got no answer: a TLS mismatch, named with the flag that fixes
+        it; ``"connection refused"`` when nothing listens; None when that cannot be told."""
+        spoken = spoken_protocol(self.address, timeout_s=min(self.connect_timeout_s, 2.0))
+        if spoken == "refused":
+            return "connection refused"
+        where = self.address[:80]
+        if spoken == "tls" and self.tls is None:
+            return TlsMismatch(f"the server at {where} speaks TLS; pass --tls-ca CA.crt, the "
+                               f"CA certificate that signed the server's certificate "
+                               f"(docs/security.md)")
+        if spoken == "plaintext" and self.tls is not None:
+            return TlsMismatch(f"the server at {where} is plaintext; drop --tls-ca (and "
+                               f"--tls-cert/--tls-key; off loopback pass --insecure), or "
+                               f"serve with --tls-cert/--tls-key")
+        return None
 
     def _unreachable(self, exc: grpc.RpcError) -> RemoteError:
         """A first contact that failed: UNAVAILABLE naming the address, or what it said."""
@@ -185,7 +223,11 @@ class GrpcTransport(Transport):
         if error.status not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
             return error  # something answered: its refusal says what is wrong
         details = error.message.lower()
+        found = None if "refused" in details else self._diagnose()
+        if isinstance(found, TlsMismatch):
+            return found
         reason = ("connection refused" if "refused" in details
+                  else found if found is not None
                   else f"no answer within {self.connect_timeout_s:g} s"
                   if error.status == "DEADLINE_EXCEEDED" else error.message[:80])
         message = (f"cannot reach the aggregator at {self.address[:80]} ({reason}): is "

@@ -34,6 +34,7 @@ __all__ = [
     "make_client_cert",
     "make_server_cert",
     "server_credentials",
+    "spoken_protocol",
 ]
 
 CA_CERT = "ca.crt"
@@ -132,6 +133,62 @@ def channel_credentials(tls: ClientTls) -> grpc.ChannelCredentials:
         cert_pem, key_pem = _check_pair(tls.cert, tls.key)
     return grpc.ssl_channel_credentials(root_certificates=ca_pem, private_key=key_pem,
                                         certificate_chain=cert_pem)
+
+
+#: An HTTP/2 client's connection preface and an empty SETTINGS frame: a plaintext gRPC server
+#: answers with a SETTINGS frame of its own (frame type 4, the fourth byte of its header).
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def spoken_protocol(address: str, timeout_s: float = 1.0) -> str | None:
+    """``"tls"`` or ``"plaintext"``: what the gRPC server at ``address`` speaks, probed on
+    two short-lived TCP connections; ``"refused"`` when nothing listens there; None if it
+    cannot be told (no answer within ``timeout_s``, something else answers).
+
+    gRPC reports a TLS mismatch only as a channel that never becomes ready (and C-core log
+    lines), which reads like a server that is down; this probe lets a client name the
+    mismatch and the flag that fixes it. It proves nothing about certificates: the TLS
+    handshake here verifies none.
+    """
+    import socket
+    import ssl
+
+    target = _host_port(address)
+    if target is None:
+        return None
+    try:
+        sock = socket.create_connection(target, timeout=timeout_s)
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:  # no route, no answer within timeout_s: a second try would wait again
+        return None
+    try:
+        with sock:
+            sock.sendall(_H2_PREFACE)
+            head = sock.recv(9)
+        if len(head) >= 4 and head[3] == 4:
+            return "plaintext"
+    except OSError:  # closed or silent at a plaintext preface: perhaps TLS
+        pass
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection(target, timeout=timeout_s) as sock, \
+                context.wrap_socket(sock, server_hostname=target[0]):
+            return "tls"
+    except ssl.SSLError as exc:  # a TLS alert (e.g. mutual TLS wants a certificate): TLS
+        return "tls" if "ALERT" in str(exc.reason or "").upper() else None
+    except OSError:
+        return None
 
 
 # -- making certificates ----------------------------------------------------------------------

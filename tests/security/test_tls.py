@@ -113,7 +113,8 @@ def test_tls_server_trains_signed_clients_and_refuses_plaintext(serve, pki) -> N
     np.testing.assert_allclose(srv.call(lambda: srv.core.params.copy()), [1.5] * 4)
     assert all(rt.stats.pushed == 1 for rt in runtimes)
     assert all(rt.client_id.startswith("n-") for rt in runtimes)  # ephemeral keys' ids
-    assert refused_join(srv.address, None).status in NO_CONNECTION        # plaintext client
+    plaintext = refused_join(srv.address, None)  # named, not retried (tests/client)
+    assert plaintext.status == "FAILED_PRECONDITION" and "speaks TLS" in plaintext.message
     assert refused_join(srv.address, ClientTls(str(pki["evil_ca"]))).status in NO_CONNECTION
 
 
