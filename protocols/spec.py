@@ -3,7 +3,9 @@
 Everything between the edges of Murmura (codecs, aggregation, checkpoints, simulation) works on
 one contiguous float32 vector; only the edges convert to and from ``torch.nn.Module``. The spec
 covers the module's ``state_dict`` entries with a floating dtype (parameters and buffers such as
-BatchNorm running statistics); integer buffers like ``num_batches_tracked`` stay local.
+BatchNorm running statistics); integer buffers like ``num_batches_tracked`` stay local. Buffers
+are marked (:attr:`TensorSpec.buffer`): the server averages them instead of stepping them like
+parameters (:class:`~murmura.server.model.BufferRule`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -30,6 +32,10 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str = "float32"
+    #: A module buffer (BatchNorm running statistics), not a trainable parameter. Not part of
+    #: the fingerprint or of equality, and not sent on the wire: only the side that built the
+    #: spec from its module knows it, which is the side that makes versions.
+    buffer: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -71,6 +77,21 @@ class ModelSpec:
             pos += t.numel
         return out
 
+    @functools.cached_property
+    def buffer_index(self) -> npt.NDArray[np.int64]:
+        """Coordinates of the buffers in the flat vector (empty for a model without any)."""
+        return self._index(lambda t: t.buffer)
+
+    @functools.cached_property
+    def variance_index(self) -> npt.NDArray[np.int64]:
+        """Coordinates of the buffers that are variances (``running_var``): never negative."""
+        return self._index(lambda t: t.buffer and t.name.rsplit(".", 1)[-1] == "running_var")
+
+    def _index(self, keep: Callable[[TensorSpec], bool]) -> npt.NDArray[np.int64]:
+        parts = [np.arange(off, off + t.numel, dtype=np.int64)
+                 for t, off in zip(self.tensors, self.offsets(), strict=True) if keep(t)]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
     def fingerprint(self) -> str:
         """Stable digest of names, shapes and dtypes: two peers agree on a model iff equal."""
         h = hashlib.sha256()
@@ -82,9 +103,11 @@ class ModelSpec:
 
     @classmethod
     def from_module(cls, module: torch.nn.Module) -> ModelSpec:
+        buffers = {name for name, _ in module.named_buffers()}
         return cls(
             tuple(
-                TensorSpec(name, tuple(int(d) for d in value.shape), _dtype_name(value.dtype))
+                TensorSpec(name, tuple(int(d) for d in value.shape), _dtype_name(value.dtype),
+                           buffer=name in buffers)
                 for name, value in _float_state(module)
             )
         )

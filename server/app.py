@@ -25,6 +25,7 @@ from murmura.server.state import AggregatorState
 from murmura.server.store import DB_NAME, SqliteState
 from murmura.server.tier import Tier
 from murmura.tasks import Task, TaskConfig, load_task
+from murmura.tasks.app import AppTask
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ def build_core(config: ServerConfig, task_config: TaskConfig, *, out_dir: str | 
     spec = ModelSpec.from_module(model)
     evaluator = (evaluator_for(task.model_factory, spec, task.test, task.evaluate)
                  if evaluate and task.test is not None else None)
+    if evaluator is not None and isinstance(task, AppTask):
+        # An app's evaluate() that returns the wrong thing (a bare float) stops the command
+        # here, naming the app and what it must return, not at every version of a running run.
+        evaluator(spec.flatten(model))
     return assemble_core(config, spec, spec.flatten(model), out_dir=out_dir, resume=resume,
                          evaluator=evaluator, clock=clock, checkpoint=checkpoint,
                          fresh_metrics=fresh_metrics, durable=durable, run_config={

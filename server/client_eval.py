@@ -15,14 +15,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from murmura.server.limits import MAX_NUM_EXAMPLES
+from murmura.server.limits import EVAL_PREFIX, MAX_NUM_EXAMPLES
 
 log = logging.getLogger(__name__)
 
 #: Bounds on a report, so no client can push a mean to overflow (as for ``num_examples``).
 MAX_VALUE = 1e30
 
-PREFIX = "eval_"
+PREFIX = EVAL_PREFIX
 VERSION_KEY = "eval_version"
 EXAMPLES_KEY = "eval_examples"
 
@@ -40,15 +40,22 @@ class ClientEvalReport:
 def report_from_metrics(client_id: str, metrics: Mapping[str, float]) -> ClientEvalReport | None:
     """The evaluation report in an update's metrics, or None if it carries none (or a
     malformed one, which is logged and ignored: the update itself is still good)."""
-    if VERSION_KEY not in metrics:
+    if not any(k.startswith(PREFIX) for k in metrics):
         return None
     version, examples = metrics.get(VERSION_KEY, -1.0), metrics.get(EXAMPLES_KEY, 0.0)
-    values = {k[len(PREFIX):]: float(v) for k, v in metrics.items()
-              if k.startswith(PREFIX) and k not in (VERSION_KEY, EXAMPLES_KEY)}
-    if (not version >= 0 or version != int(version) or not 1 <= examples <= MAX_NUM_EXAMPLES
-            or not all(math.isfinite(v) and abs(v) <= MAX_VALUE for v in values.values())):
-        log.warning("client %s sent a malformed evaluation report (version %r, %r examples); "
-                    "ignored", client_id[:40], version, examples)
+    try:
+        values = {k[len(PREFIX):]: float(v) for k, v in metrics.items()
+                  if k.startswith(PREFIX) and k not in (VERSION_KEY, EXAMPLES_KEY)}
+        good = (version >= 0 and math.isfinite(version) and version == int(version)
+                and 1 <= examples <= MAX_NUM_EXAMPLES
+                and all(math.isfinite(v) and abs(v) <= MAX_VALUE for v in values.values()))
+    except (TypeError, ValueError, OverflowError):  # not numbers (an in-process caller)
+        good = False
+    if not good:
+        log.warning("client %s sent a malformed evaluation report (version %r, %r examples, "
+                    "non-finite or non-numeric values among %s); ignored, the update is "
+                    "taken", client_id[:40], version, examples,
+                    sorted(k for k in metrics if k.startswith(PREFIX))[:8])
         return None
     return ClientEvalReport(client_id, int(version), int(examples), values)
 

@@ -50,6 +50,10 @@ class Decoded:
     #: SHA-256 of the payload bytes, when the run checks update signatures (computed where the
     #: payload is decoded, so a large payload is never hashed on the gateway's event loop).
     payload_sha256: bytes | None = None
+    #: The version the update was trained on and its example count, set when it is taken in:
+    #: the buffer rule re-bases its buffers with them (server/model.py, BufferRule).
+    base_version: int | None = None
+    examples: float = 0.0
 
     @property
     def is_partial(self) -> bool:

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import queue
 import secrets
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 from murmura.aggregation import Aggregator
 from murmura.client import ClientRuntime, GrpcTransport, RemoteError, Trainer, TrainResult
@@ -68,16 +70,34 @@ class LeafTrainer(Trainer):
         self._version = 0
         self._partials: queue.Queue[tuple[bytes, float, int]] = queue.Queue()
         self.stopping = threading.Event()
+        #: Partials made and the client updates folded into them; the most clients joined.
+        self.partials_made = 0
+        self.updates_folded = 0
+        self.clients = 0
 
     def on_pull(self, version: int) -> None:
         self._version = version
 
     def forward(self, aggregator: Aggregator, updates: int) -> None:
-        """The core's publish step on a leaf (publisher thread): queue the partial."""
+        """The core's publish step on a leaf (publisher thread): queue the partial and
+        record its row (a leaf's metrics.jsonl lists the partials it made, not versions)."""
         try:
-            self._partials.put(partial_payload(aggregator))
+            payload, weight, count = partial_payload(aggregator)
         finally:
             aggregator.reset()
+        core = self.core
+        self.partials_made += 1
+        self.updates_folded += count
+        self.clients = max(self.clients, len(core.sessions))
+        if core.recorder is not None:
+            core.recorder.record({
+                "partial": self.partials_made, "parent_version": self._version,
+                "updates_in_partial": count, "weight": weight, "partial_bytes": len(payload),
+                "time_s": round(core.clock() - core.t0, 6), "updates": core.traffic.updates,
+                "bytes_up": core.traffic.bytes_up, "bytes_down": core.traffic.bytes_down,
+                "clients": len(core.sessions),
+                "refused": dict(sorted(core.traffic.refused.items()))})
+        self._partials.put((payload, weight, count))
 
     def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
         version, core = self._version, self.core
@@ -120,6 +140,7 @@ class Leaf:
         self.trainer: LeafTrainer | None = None
         self._link: threading.Thread | None = None
         self.link_error: BaseException | None = None
+        self._runtime: ClientRuntime | None = None
 
     @property
     def address(self) -> str:
@@ -172,6 +193,8 @@ class Leaf:
                              f"{exc.message}") from None
         finally:
             transport.close()
+        log.info("leaf %s: the parent's settings read; the upstream link joins again under "
+                 "the same id, replacing this session", self.name)
         return result.settings
 
     def _run_link(self) -> None:
@@ -183,6 +206,7 @@ class Leaf:
                                     profile=DeviceProfile(device="leaf", device_name=self.address),
                                     token=self.config.security.join_token,
                                     fatal_refusals=LEAF_FATAL_REFUSALS)
+            self._runtime = runtime
             runtime.run()
             log.info("leaf %s: the parent says stop", self.name)
         except BaseException as exc:  # the link failed for good: stop serving
@@ -192,6 +216,39 @@ class Leaf:
         finally:
             transport.close()
             core.post(core.stop)
+
+    def summary(self, *, wall_s: float = 0.0) -> dict[str, Any]:
+        """What this leaf forwarded: partials made, sent and refused upstream, client updates
+        folded, clients, bytes. A leaf makes no versions and evaluates nothing, so there is no
+        accuracy here: the results are the parent's."""
+        trainer, core = self.trainer, self.core
+        stats = self._runtime.stats if self._runtime is not None else None
+        return {
+            "role": "leaf", "name": self.name, "upstream": self.config.leaf.upstream,
+            "partials_made": trainer.partials_made if trainer is not None else 0,
+            "partials_sent": stats.pushed if stats is not None else 0,
+            "partials_refused": stats.refused if stats is not None else 0,
+            "partial_bytes_sent": stats.bytes_payload if stats is not None else 0,
+            "updates_folded": trainer.updates_folded if trainer is not None else 0,
+            "updates": core.traffic.updates if core is not None else 0,
+            "clients": trainer.clients if trainer is not None else 0,
+            "bytes_up": core.traffic.bytes_up if core is not None else 0,
+            "bytes_down": core.traffic.bytes_down if core is not None else 0,
+            "refused": dict(sorted(core.traffic.refused.items())) if core is not None else {},
+            "link_error": str(self.link_error) if self.link_error is not None else None,
+            "wall_s": round(wall_s, 3),
+        }
+
+    def finish(self, *, wall_s: float = 0.0) -> dict[str, Any]:
+        """Close metrics.jsonl (one row per partial) and write summary.json (:meth:`summary`)
+        in the output directory; call after :meth:`stop`. Returns the summary."""
+        summary = self.summary(wall_s=wall_s)
+        recorder = self.core.recorder if self.core is not None else None
+        if recorder is not None:
+            recorder.finish(plot=False)  # closes the rows; its summary is replaced below
+            text = json.dumps(summary, indent=2, sort_keys=True, default=str)
+            (recorder.out_dir / "summary.json").write_text(text, encoding="utf-8")
+        return summary
 
     async def wait_done(self, timeout: float | None = None) -> bool:
         assert self.server is not None

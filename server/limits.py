@@ -21,6 +21,9 @@ from murmura.server.errors import InvalidArgument
 MAX_ID = 128              # client ids, update ids
 MAX_SESSION = 64          # sessions are 22 characters; anything longer is not one of ours
 MAX_TOKEN = 256
+#: Metrics named so are a client's evaluation report (server/client_eval.py): checked there,
+#: and a malformed report is dropped while its update is taken, so the header check skips them.
+EVAL_PREFIX = "eval_"
 MAX_NAME = 64             # codec names, metric names, profile extra keys
 MAX_TEXT = 256            # device names, profile extra values, leave reasons
 MAX_METRICS = 32
@@ -97,10 +100,17 @@ def check_header(header: UpdateHeader) -> UpdateHeader:
                               f"{MAX_METRICS} are allowed")
     for name, value in header.metrics.items():
         check_text("a metric name", name, MAX_NAME)
-        if not math.isfinite(value):  # the message is built only for a refusal
+        if name.startswith(EVAL_PREFIX):
+            continue  # a malformed evaluation report is ignored, not refused (client_eval.py)
+        try:
+            finite = math.isfinite(value)
+        except TypeError:
+            raise InvalidArgument(f"metric {quote(name)} must be a number, got "
+                                  f"{type(value).__name__}") from None
+        if not finite:  # the message is built only for a refusal
             check_number(f"metric {quote(name)}", value)
     return header
 
 
-__all__ = ["MAX_ID", "MAX_NUM_EXAMPLES", "check_header", "check_number", "check_profile",
-           "check_session", "check_text", "quote"]
+__all__ = ["EVAL_PREFIX", "MAX_ID", "MAX_NUM_EXAMPLES", "check_header", "check_number",
+           "check_profile", "check_session", "check_text", "quote"]

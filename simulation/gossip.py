@@ -209,6 +209,9 @@ class GossipSimulation(GossipRounds):
         self.push_bytes = self.wire_bytes(self.spec.nbytes)
         self.time_s = 0.0
         self.bytes_sent = 0
+        #: Updates sent in all rounds so far: rows and the summary count the run's total
+        #: (as bytes_up does), each row's own round in ``updates_in_round``.
+        self.updates_sent = 0
         self.refused = 0  # deliveries a full inbox refused
         self.rows: list[dict[str, Any]] = []
         self.recorder = None
@@ -320,10 +323,12 @@ class GossipSimulation(GossipRounds):
             sent, train_s = self._epidemic_round(round_, on)
             sent_bytes = sent * self.push_bytes
         self.bytes_sent += sent_bytes
+        self.updates_sent += sent
         self.time_s += train_s
         row: dict[str, Any] = {"version": round_ + 1, "round": round_ + 1,
                                "peers": int(on.sum()), "bytes_up": self.bytes_sent,
-                               "updates": sent, "time_s": self.time_s,
+                               "updates": self.updates_sent, "updates_in_round": sent,
+                               "time_s": self.time_s,
                                "bytes_per_peer": sent_bytes / max(int(on.sum()), 1)}
         if (round_ + 1) % self.eval_every == 0 or round_ + 1 == self.gossip.rounds:
             row.update(self.evaluate(round_, on))
@@ -379,6 +384,7 @@ class GossipSimulation(GossipRounds):
         last = self.rows[-1] if self.rows else {}
         extra = {"wall_s": wall, "virtual_s": self.time_s, "peers": len(self.nodes),
                  "rounds": len(self.rows), "bytes_per_peer_round": per_peer,
+                 "updates": self.updates_sent,
                  "push_bytes": self.push_bytes,
                  "final_accuracy_min": last.get("accuracy_min"),
                  "final_consensus_distance": last.get("consensus_distance")}

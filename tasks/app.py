@@ -125,7 +125,10 @@ class App:
         with torch.no_grad():
             result = fn(model, data)
         if not isinstance(result, dict) or not result:
-            raise self.fail(f"evaluate() must return a dict of metrics, got {_kind(result)}")
+            raise self.fail(f"evaluate() must return a dict of metrics, e.g. "
+                            f"{{'accuracy': 0.9}}, got {_kind(result)}"
+                            + (" (a bare number does not say what it measures)"
+                               if isinstance(result, int | float) else ""))
         try:
             return {str(k): float(v) for k, v in result.items()}
         except (TypeError, ValueError):
