@@ -1,4 +1,5 @@
-"""A one-line progress bar for long runs (stderr); plain lines when not on a terminal."""
+"""A one-line progress bar for long runs (stderr); plain lines when not on a terminal. And the
+one line that ends a run (:func:`result_line`), the same for ``murmura run`` and ``server``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import sys
 import time
 from collections.abc import Hashable
 from typing import Any, TextIO
+
+__all__ = ["Progress", "result_line"]
 
 
 class Progress:
@@ -65,6 +68,7 @@ class Progress:
                 + (f"  round {row['round']}" if row.get("round") else "")
                 + (f"  acc {acc:.3f}" if isinstance(acc, float) else "")
                 + f"  updates {row.get('updates', 0)}"
+                + (f"  clients {row['clients']}" if row.get("clients") is not None else "")
                 + f"  up {row.get('bytes_up', 0) / 1e6:.2f} MB"
                 + f"  {row.get('time_s', 0.0):.1f}s")
         self._write(text)
@@ -74,3 +78,16 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
             self._open = False
+
+
+def result_line(summary: dict[str, Any], last_row: dict[str, Any], wall_s: float) -> str:
+    """``final test accuracy A[, perplexity P] after N versions (U updates, M MB up) in S s``
+    from a run's summary and its last metrics row; or that no version was published."""
+    acc = summary.get("final_accuracy")
+    if acc is None:
+        return "no version was published"
+    ppl = last_row.get("perplexity")  # a language model's (the lm task)
+    return (f"final test accuracy {acc:.4f}"
+            + (f", perplexity {ppl:.2f}" if isinstance(ppl, float) else "")
+            + f" after {summary['versions']} versions ({summary['updates']} updates, "
+            f"{summary['bytes_up'] / 1e6:.2f} MB up) in {wall_s:.1f} s")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from murmura.edge import DEVICES
-from murmura.protocols.identity import NodeKey
-from murmura.protocols.tls import ClientTls
+if TYPE_CHECKING:  # imported where used: the parser reads this module without torch
+    from murmura.protocols.identity import NodeKey
+    from murmura.protocols.tls import ClientTls
 
 #: ``murmura client --trainer``: how the client picks first- or zeroth-order training.
 CLIENT_TRAINERS = ("auto", "server", "zo")
@@ -44,6 +45,7 @@ class ClientConfig:
     cuda_graph: bool = False       # CUDA: replay first-order steps as a captured CUDA graph
     status_file: str = ""          # write progress JSON here after every task (murmura launch)
     give_up_after_s: float = 300.0
+    give_up_unreached_s: float = 30.0
     attack: str = ""               # opt-in malicious mode (tests, red-team runs)
     attack_options: dict[str, str] = field(default_factory=dict)
     ack_log: str = ""              # append one JSON line per acknowledged update to this file
@@ -58,6 +60,8 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if ":" not in self.server:
             raise ValueError(f"server must be HOST:PORT, got {self.server!r}")
+        from murmura.edge import DEVICES
+
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {DEVICES} or cuda:N, got {self.device!r}")
         if self.num_clients < 1 or not 0 <= self.client_index < self.num_clients:
@@ -98,11 +102,15 @@ class ClientConfig:
 
     def tls(self) -> ClientTls | None:
         """The TLS settings of the link to the server (None: plaintext)."""
+        from murmura.protocols.tls import ClientTls
+
         return ClientTls(self.tls_ca, self.tls_cert, self.tls_key) if self.tls_ca else None
 
     def node_key(self) -> NodeKey | None:
         """The key this client proves and signs with: ``key``'s file, a fresh one, or None
         for a legacy unsigned ``client_id``."""
+        from murmura.protocols.identity import NodeKey
+
         if self.key:
             return NodeKey.load(self.key)
         return None if self.client_id else NodeKey.generate()

@@ -211,7 +211,8 @@ class Launcher:
         finally:
             self.shutdown()
         if out is not None:
-            out.write(self.table() + "\n")
+            out.write(self.table() + "\n" + self.summary() + "\n")
+            out.flush()
         return 0 if self.done else 1
 
     def stop(self) -> None:
@@ -237,14 +238,26 @@ class Launcher:
         out = []
         for s in self.slots:
             st = s.status()
-            state = ("done" if s.finished else "running" if s.proc is not None
-                     else "restarting")
+            # a live client that has not pulled a model yet is loading data or joining
+            state = ("done" if s.finished else "restarting" if s.proc is None
+                     else "running" if st else "starting")
             out.append({"client": s.client_id, "device": s.device, "state": state,
                         "pid": s.proc.pid if s.proc is not None else None,
                         "version": st.get("version"), "tasks": st.get("tasks", 0),
                         "examples_per_s": st.get("examples_per_s"), "restarts": s.restarts,
                         "last_error": s.last_error})
         return out
+
+    def summary(self) -> str:
+        """The closing line: clients done, tasks finished, the last global version (what
+        a finished client was told at its stop: the run's last), restarts."""
+        rows = self.rows()
+        versions = [r["version"] for r in rows if r["version"] is not None]
+        done = sum(r["state"] == "done" for r in rows)
+        return (f"murmura launch: {done}/{len(rows)} clients done, "
+                f"{sum(r['tasks'] for r in rows)} tasks, "
+                f"last version {max(versions) if versions else '-'}, "
+                f"{sum(r['restarts'] for r in rows)} restarts")
 
     def table(self) -> str:
         """The status table: client, device, state, version, tasks, examples/s, restarts,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from murmura.protocols import TaskSettings
+from murmura.protocols.messages import TaskSettings
 
 TOPOLOGIES = ("epidemic", "ring", "k-regular", "modest")
 

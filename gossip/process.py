@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,11 @@ __all__ = ["build_peer", "run_peer"]
 
 
 def build_peer(cfg: PeerConfig, task_cfg: TaskConfig, gossip: GossipConfig, *,
-               transport: GrpcPeerTransport | None = None) -> PeerRuntime:
-    """A :class:`PeerRuntime` for the bundled task's share ``cfg.client_index``."""
+               transport: GrpcPeerTransport | None = None,
+               on_metrics: Callable[[int, dict[str, Any]], None] | None = None) -> PeerRuntime:
+    """A :class:`PeerRuntime` for the bundled task's share ``cfg.client_index``; each round's
+    model is evaluated on the test set when ``cfg.report`` or ``on_metrics`` wants it
+    (``on_metrics(round, metrics)``: ``murmura peer``'s line per round)."""
     import torch
 
     if cfg.threads:
@@ -53,11 +57,16 @@ def build_peer(cfg: PeerConfig, task_cfg: TaskConfig, gossip: GossipConfig, *,
     if report is not None:
         report.mkdir(parents=True, exist_ok=True)
         rows = (report / f"{cfg.identity()}.jsonl").open("a", encoding="utf-8")
-        lock = threading.Lock()
+    lock = threading.Lock()
+    if report is not None or on_metrics is not None:
 
         def on_round(r: RoundReport) -> None:
             trainer.spec.load_into(eval_model, r.model)
             metrics = evaluate(eval_model, task.test)
+            if on_metrics is not None:
+                on_metrics(r.round, {**metrics, "mixed": r.mixed, "view": r.view})
+            if report is None:
+                return
             np.save(report / f"{cfg.identity()}-r{r.round:05d}.npy", r.model)
             row: dict[str, Any] = {"peer": cfg.identity(), "round": r.round,
                                    "accuracy": metrics.get("accuracy"),

@@ -1,28 +1,58 @@
 """The wire: murmura.proto and its stubs, plain message types, ModelSpec and update codecs."""
 
-from murmura.protocols.codecs import (
-    Codec,
-    CodecError,
-    Encoder,
-    UnknownCodecError,
-    available_codecs,
-    create_codec,
-    register_codec,
-)
-from murmura.protocols.messages import (
-    PROTOCOL_VERSION,
-    Action,
-    DeviceProfile,
-    JoinProof,
-    JoinResult,
-    PeerInfo,
-    PeerModelHeader,
-    PushResult,
-    Task,
-    TaskSettings,
-    UpdateHeader,
-)
-from murmura.protocols.spec import FlatVector, ModelSpec, TensorSpec
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from murmura.protocols.codecs import (
+        Codec,
+        CodecError,
+        Encoder,
+        UnknownCodecError,
+        available_codecs,
+        create_codec,
+        register_codec,
+    )
+    from murmura.protocols.messages import (
+        PROTOCOL_VERSION,
+        Action,
+        DeviceProfile,
+        JoinProof,
+        JoinResult,
+        PeerInfo,
+        PeerModelHeader,
+        PushResult,
+        Task,
+        TaskSettings,
+        UpdateHeader,
+    )
+    from murmura.protocols.spec import FlatVector, ModelSpec, TensorSpec
+
+#: Where each name lives, imported on first use: a submodule (a config the command-line
+#: parser reads) can then be imported without torch and the rest of the package.
+_LAZY = {
+    "Codec": "murmura.protocols.codecs",
+    "CodecError": "murmura.protocols.codecs",
+    "Encoder": "murmura.protocols.codecs",
+    "UnknownCodecError": "murmura.protocols.codecs",
+    "available_codecs": "murmura.protocols.codecs",
+    "create_codec": "murmura.protocols.codecs",
+    "register_codec": "murmura.protocols.codecs",
+    "PROTOCOL_VERSION": "murmura.protocols.messages",
+    "Action": "murmura.protocols.messages",
+    "DeviceProfile": "murmura.protocols.messages",
+    "JoinProof": "murmura.protocols.messages",
+    "JoinResult": "murmura.protocols.messages",
+    "PeerInfo": "murmura.protocols.messages",
+    "PeerModelHeader": "murmura.protocols.messages",
+    "PushResult": "murmura.protocols.messages",
+    "Task": "murmura.protocols.messages",
+    "TaskSettings": "murmura.protocols.messages",
+    "UpdateHeader": "murmura.protocols.messages",
+    "FlatVector": "murmura.protocols.spec",
+    "ModelSpec": "murmura.protocols.spec",
+    "TensorSpec": "murmura.protocols.spec",
+}
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -47,3 +77,13 @@ __all__ = [
     "create_codec",
     "register_codec",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``package.Name`` and ``from package import Name``: import its module now."""
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value

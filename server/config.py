@@ -26,18 +26,13 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from murmura.aggregation import (
-    AggregationError,
-    Aggregator,
-    available_aggregators,
-    available_optimizers,
-    create_aggregator,
-)
-from murmura.protocols import CodecError, TaskSettings
-from murmura.protocols.pool import seed_pool_for
+from murmura.protocols.messages import TaskSettings
 from murmura.server.compass import COMPASS_STEPS, StepBounds
+
+if TYPE_CHECKING:  # the rules and codecs load torch: imported where a config is checked, so
+    from murmura.aggregation import Aggregator  # the command-line parser can read this module
 
 MODES = ("sync", "async", "compass")
 STALENESS = ("constant", "polynomial", "hinge")
@@ -110,6 +105,8 @@ class PolicyConfig:
         if self.compass_step_updates < 0:
             raise ValueError(f"compass_step_updates must be >= 0 (0: buffer_size, "
                              f"{self.buffer_size}), got {self.compass_step_updates}")
+        from murmura.aggregation import available_optimizers
+
         probe = self._probe()
         if self.optimizer not in available_optimizers():
             raise ValueError(f"unknown optimizer {self.optimizer!r}; "
@@ -126,6 +123,8 @@ class PolicyConfig:
     def _probe(self) -> Aggregator:
         """One small instance of the rule, so that bad options fail now, not at the first
         round."""
+        from murmura.aggregation import AggregationError, available_aggregators, create_aggregator
+
         if self.defense not in available_aggregators():
             raise ValueError(f"unknown defense {self.defense!r}; "
                              f"available: {', '.join(available_aggregators())}")
@@ -315,6 +314,9 @@ class ServerConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_versions < 1:
             raise ValueError(f"max_versions must be >= 1, got {self.max_versions}")
+        from murmura.protocols import CodecError
+        from murmura.protocols.pool import seed_pool_for
+
         try:
             pool = seed_pool_for(self.train)
         except CodecError as exc:

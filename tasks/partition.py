@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from murmura.tasks.config import PARTITIONERS
+
 Index = npt.NDArray[np.int64]
 
 
@@ -82,8 +84,6 @@ def quantity_skew(labels: npt.NDArray[np.int64], num_clients: int, *, alpha: flo
     cuts = np.cumsum(sizes)[:-1]
     return [np.sort(p) for p in np.split(perm, cuts)]
 
-
-PARTITIONERS = ("iid", "dirichlet", "shards", "quantity")
 
 
 def partition(labels: npt.NDArray[np.int64], num_clients: int, *, scheme: str, seed: int,

@@ -16,44 +16,11 @@ from torch import nn
 
 from murmura.tasks import data as _data
 from murmura.tasks import models as _models
+from murmura.tasks.config import MODELS, TASK_MODELS, TaskConfig
 from murmura.tasks.data import ArrayDataset
-from murmura.tasks.partition import PARTITIONERS, partition
+from murmura.tasks.partition import partition
 
-
-@dataclass(frozen=True)
-class TaskConfig:
-    """Which task to learn and how its data is split over clients."""
-
-    task: str = "digits"
-    #: "" (the default): the task's own default model, the first of its :data:`TASK_MODELS`;
-    #: resolved when the config is built, so ``model`` always names a model afterwards.
-    model: str = ""
-    partition: str = "dirichlet"
-    alpha: float = 0.5
-    data_seed: int = 0
-    app: str = field(default="", metadata={"help": (
-        "an app FILE.py giving the model, each client's data, and optionally train, evaluate "
-        "and aggregation rules; replaces --task and --model (docs/apps.md)")})
-
-    def __post_init__(self) -> None:
-        if self.app:  # import it now: a bad app fails before anything starts
-            from murmura.tasks.app import load_app
-
-            load_app(self.app)
-        if self.task not in TASKS:
-            raise ValueError(f"unknown task {self.task!r}; available: {', '.join(sorted(TASKS))}")
-        if not self.model:
-            object.__setattr__(self, "model", TASK_MODELS[self.task][0])
-        if self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r}; available: {', '.join(MODELS)}")
-        if self.model not in TASK_MODELS[self.task]:
-            raise ValueError(f"model {self.model!r} does not fit task {self.task!r}; "
-                             f"use one of: {', '.join(TASK_MODELS[self.task])}")
-        if self.partition not in PARTITIONERS:
-            raise ValueError(f"unknown partition {self.partition!r}; "
-                             f"available: {', '.join(PARTITIONERS)}")
-        if not self.alpha > 0:
-            raise ValueError(f"alpha must be positive, got {self.alpha}")
+__all__ = ["MODELS", "TASKS", "TASK_MODELS", "Task", "TaskConfig", "load_task"]
 
 
 @dataclass
@@ -125,15 +92,6 @@ TASKS: dict[str, Callable[[TaskConfig], Task]] = {
     "synthetic": _synthetic,
     "lm": _lm,
 }
-#: The models each task can build; the first is its default.
-TASK_MODELS: dict[str, tuple[str, ...]] = {
-    "digits": ("mlp", "logreg"),
-    "synthetic": ("mlp", "logreg"),
-    "lm": ("gpt1m", "gpt10m", "gpt100m"),
-}
-MODELS = tuple(dict.fromkeys(m for models in TASK_MODELS.values() for m in models))
-
-
 def load_task(cfg: TaskConfig) -> Task:
     """The task ``cfg`` names: its app file if it gives one, else a bundled task."""
     if cfg.app:
