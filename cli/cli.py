@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 from typing import Any
 
 from murmura import __version__
-from murmura.clients import cmd_client, cmd_launch
+from murmura.clients import add_flower_arguments, cmd_client, cmd_launch
 from murmura.common import add_common
 from murmura.config import add_arguments
 from murmura.keys import cmd_certs, cmd_keys
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     server_only = server - {a.dest for a in alone._actions}  # --lr, --seed: both modes read
     p.add_argument("--device", default=None,
                    help="clients' device: auto, cpu, cuda, mps or cuda:N (default: auto)")
+    add_flower_arguments(p, "run the clients and model of")
     p.set_defaults(fn=cmd_run, server_only=sorted(server_only), gossip_only=sorted(gossip_only))
 
     p = sub.add_parser("server", help="run the aggregator service",
@@ -109,10 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--linger-s", type=float, default=5.0,
                    help="after the last version, keep telling clients to stop for this many "
                    "seconds")
-    p.add_argument("--flower-app", default=None, metavar="MODULE:ATTR",
-                   help="serve the model of this Flower NumPyClient/client_fn/ClientApp "
-                   "(MODULE importable or FILE.py) instead of --task's model; see "
-                   "docs/flower.md")
+    add_flower_arguments(p, "serve the model of")
     p.set_defaults(fn=cmd_server)
 
     p = sub.add_parser("client", help="run one client against an aggregator",
@@ -122,9 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, ClientConfig, title="client")
     add_arguments(p, TaskConfig, title="task")
     p.add_argument("--run-key-seed", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--flower-app", default=None, metavar="MODULE:ATTR",
-                   help="train with this Flower NumPyClient/client_fn/ClientApp (MODULE "
-                   "importable or FILE.py) instead of --task's model; see docs/flower.md")
+    add_flower_arguments(p, "train with")
     p.set_defaults(fn=cmd_client)
 
     p = sub.add_parser("peer", help="run one gossip peer (no server)",
@@ -224,7 +221,15 @@ def _did_you_mean(parser: argparse.ArgumentParser, extra: list[str]) -> str:
     return ""
 
 
+def quiet_grpc_core() -> None:
+    """Keep gRPC's C-core to its errors (unless ``GRPC_VERBOSITY`` is set): its info lines
+    (a failed TLS handshake per connection try, for one) read like crashes, and the client
+    names such failures itself. Read once, when gRPC starts: call before it is imported."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_grpc_core()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # name the subcommand's help, and the flag a typo was probably meant to be

@@ -5,12 +5,13 @@ aggregator), ``murmura launch`` (N per device, restarted on crashes), and the cl
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import signal
 import subprocess
 import sys
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,18 +23,90 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("murmura")
 
-__all__ = ["ClientLauncher", "cmd_client", "cmd_launch", "run_client", "run_identity"]
+__all__ = ["ERROR_PREFIX", "ClientLauncher", "FlowerApp", "TaskLines", "add_flower_arguments",
+           "cmd_client", "cmd_launch", "error_line", "run_client", "run_identity"]
+
+
+@dataclass(frozen=True)
+class FlowerApp:
+    """A Flower app in place of ``--task``'s model (``--flower-app``, docs/flower.md): what
+    ``murmura run`` hands its clients instead of a task config."""
+
+    ref: str
+    run_config: str | None = None
+
+
+def add_flower_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    """``--flower-app`` and ``--run-config``: a Flower app in place of ``--task``'s model
+    (docs/flower.md); ``what`` starts the help line ("train with", "serve the model of")."""
+    p.add_argument("--flower-app", default=None, metavar="APP",
+                   help=f"{what} this Flower app instead of --task's model: a Message-API "
+                   f"ClientApp, NumPyClient or client_fn as MODULE:ATTR (MODULE importable or "
+                   f"FILE.py), or the app's directory; see docs/flower.md")
+    p.add_argument("--run-config", default=None, metavar="'K=V ...'",
+                   help="with --flower-app: override the app's run config (its pyproject's "
+                   "[tool.flwr.app.config]), as flwr run --run-config does")
+
+
+#: How a client's last line starts when it fails (`murmura client` prints it, and so does a
+#: forked client of `murmura run` into its log, where the run finds it).
+ERROR_PREFIX = "murmura client: "
 
 
 # -- murmura client ---------------------------------------------------------------------------
 
-def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None, report: bool = True) -> Any:
+class TaskLines:
+    """``murmura client``'s feedback: a line per finished task (when ``show``), and the
+    versions it trained on for the closing line. The server sends a client no global
+    accuracy, so the client reports what it knows."""
+
+    def __init__(self, show: bool = True) -> None:
+        self.show = show
+        self.tasks = 0
+        self.first: int | None = None
+        self.last: int | None = None
+
+    def __call__(self, report: Any) -> None:
+        self.tasks += 1
+        self.first = report.version if self.first is None else self.first
+        self.last = report.version
+        if not self.show:
+            return
+        loss = report.metrics.get("train_loss")
+        if report.pushed:
+            outcome = "pushed (a duplicate: counted once)" if report.duplicate else \
+                f"pushed (staleness {report.staleness})"
+        else:
+            outcome = f"refused ({report.refused})"
+        print(f"task {self.tasks}: version {report.version}, {report.examples} examples"
+              + (f", loss {loss:.4f}" if isinstance(loss, float) else "")
+              + f" -> {outcome}", flush=True)
+
+    def versions(self) -> str:
+        """``; trained on versions A..B`` (or ``version A``), empty before any task."""
+        if self.first is None:
+            return ""
+        if self.first == self.last:
+            return f"; trained on version {self.first}"
+        return f"; trained on versions {self.first}..{self.last}"
+
+
+def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None, report: bool = True,
+               tasks: bool = False) -> Any:
     """Join ``cfg.server`` and train the bundled task's share ``cfg.client_index``, under
-    ``identity`` if given (else ``cfg``'s key, a fresh one, or its legacy client id)."""
+    ``identity`` if given (else ``cfg``'s key, a fresh one, or its legacy client id); with
+    ``tasks``, print a line per finished task. A :class:`FlowerApp` in place of the task
+    trains that Flower app (``murmura run --flower-app``)."""
+    if isinstance(task_cfg, FlowerApp):
+        from murmura.client.flower_load import run_flower_client
+
+        return run_flower_client(cfg, task_cfg.ref, identity=identity,
+                                 run_config_overrides=task_cfg.run_config)
     import torch
 
     from murmura.client import GrpcTransport, RemoteError
     from murmura.client.build import build_client
+    from murmura.client.status import finish_status
     from murmura.protocols.tls import channel_credentials
 
     if cfg.threads:
@@ -44,20 +117,31 @@ def run_client(cfg: Any, task_cfg: Any, *, identity: Any = None, report: bool = 
     if tls is not None:
         channel_credentials(tls)  # the same: missing or mismatched files fail now
     # a first contact waits at most a few seconds (or the give-up time) before it says so
-    connect_s = min(3.0, max(cfg.give_up_after_s, 0.5))
+    connect_s = min(3.0, max(min(cfg.give_up_after_s, cfg.give_up_unreached_s), 0.5))
     transport = GrpcTransport(cfg.server, tls=tls, insecure=cfg.insecure,
                               connect_timeout_s=connect_s)
     try:
         # one try before loading data: a wrong address is reported (a warning naming it)
-        # within seconds; the runtime then retries until --give-up-after-s
-        with contextlib.suppress(RemoteError):
+        # within seconds, a TLS mismatch ends the client at once; the runtime then retries
+        # until --give-up-unreached-s (never answered) or --give-up-after-s
+        first_try = time.monotonic()  # the runtime's clock: its never-answered limit counts
+        try:                          # from this try, not from after the data is loaded
             transport.connect()
+        except RemoteError as exc:
+            if not exc.retryable:
+                raise
         runtime = build_client(cfg, task_cfg, transport, identity=identity)
+        runtime.first_try = first_try
         log.info("client id %s", runtime.client_id)
+        lines = TaskLines(show=tasks)
+        runtime.on_task = lines
         stats = runtime.run(max_tasks=cfg.max_tasks)
+        if cfg.status_file:  # murmura launch's table: done, at the run's last version
+            finish_status(cfg.status_file, stats.version)
         if report:  # (murmura run's in-process clients would print one line each)
             print(f"client {runtime.client_id}: {stats.pushed} updates pushed, "
-                  f"{stats.refused} refused, {stats.retries} retries", flush=True)
+                  f"{stats.refused} refused, {stats.retries} retries{lines.versions()}",
+                  flush=True)
         return stats
     finally:
         transport.close()
@@ -76,16 +160,19 @@ def cmd_client(args: argparse.Namespace) -> int:
         if args.run_key_seed is not None:  # a client process of `murmura run` (not on Linux)
             identity, _ = run_identity(args.run_key_seed, cfg.client_index)
         if args.flower_app:  # a Flower client as the trainer (docs/flower.md)
-            from murmura.client.flower import run_flower_client
+            from murmura.client.flower_load import run_flower_client
 
-            stats = run_flower_client(cfg, args.flower_app, identity=identity)
+            stats = run_flower_client(cfg, args.flower_app, identity=identity,
+                                      run_config_overrides=args.run_config)
             print(f"client: {stats.pushed} updates pushed, {stats.refused} refused",
                   flush=True)
         else:
-            run_client(cfg, task, identity=identity)
+            run_client(cfg, task, identity=identity, tasks=args.quiet == 0)
     except RemoteError as exc:
-        print(f"murmura client: {exc.message if exc.status == 'UNAVAILABLE' else exc}",
-              file=sys.stderr)
+        from murmura.client.transport import TlsMismatch
+
+        plain = exc.status == "UNAVAILABLE" or isinstance(exc, TlsMismatch)
+        print(f"murmura client: {exc.message if plain else exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -109,14 +196,16 @@ class ClientLauncher:
         self.logs = out / "clients"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.clients: list[Any] = []
+        #: Why each in-process client (thread) that failed did: one line, by client index.
+        self.errors: dict[int, str] = {}
         self._queue: Any = None
         if run.in_process:
             return
         import multiprocessing as mp
 
         if sys.platform.startswith("linux"):
-            import murmura.client  # noqa: F401  (shared with the children, copy-on-write)
-            import murmura.tasks  # noqa: F401
+            import murmura.client.build  # noqa: F401  (shared with the children, copy-on-write)
+            import murmura.tasks.registry  # noqa: F401
 
             ctx = mp.get_context("fork")
             self._queue = ctx.SimpleQueue()
@@ -134,7 +223,8 @@ class ClientLauncher:
         if self.run.in_process:
             for i in range(self.run.clients):
                 t = threading.Thread(target=_client_thread, daemon=True, name=f"client-{i}",
-                                     args=(self.task, address, i, self.run, self.key_seed))
+                                     args=(self.task, address, i, self.run, self.key_seed,
+                                           self.errors))
                 t.start()
                 self.clients.append(t)
         elif self._queue is not None:
@@ -145,16 +235,55 @@ class ClientLauncher:
                 self.clients.append(self._spawn(address, i))
         return self.clients
 
+    def log_path(self, index: int) -> Path | None:
+        """Client ``index``'s log file (None for an in-process client: it logs here)."""
+        return None if self.run.in_process else self.logs / f"client-{index:03d}.log"
+
+    def failure(self, index: int) -> str | None:
+        """Why client ``index`` failed, in one line: its recorded error, or the last
+        ``murmura client:`` line of its log; None if it said nothing."""
+        if index in self.errors:
+            return self.errors[index]
+        path = self.log_path(index)
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines() \
+                if path is not None else []
+        except OSError:
+            return None
+        said = [line for line in lines if line.startswith(ERROR_PREFIX)]
+        return said[-1].removeprefix(ERROR_PREFIX) if said else None
+
+    def why_failed(self, failed: list[int]) -> str:
+        """One line on ``failed`` clients: the first cause found, which client said it, and
+        where its log is (a run whose clients all fail alike says it once)."""
+        causes = {i: self.failure(i) for i in failed}
+        first = next((i for i in failed if causes[i]), failed[0])
+        cause = causes[first] or "it exited without saying why"
+        kind = "client threads" if self.run.in_process else "clients"
+        text = f"{len(failed)} of {self.run.clients} {kind} failed; client {first}: {cause}"
+        where = self.log_path(first)
+        if where is not None:
+            text += f" (its log: {where})"
+        others = sum(causes[i] != causes[first] for i in failed)
+        if others:
+            text += (f"; {others} failed otherwise" + (f": see {self.logs}/"
+                                                        if where is not None else ""))
+        return text
+
     def _spawn(self, address: str, i: int) -> subprocess.Popen[bytes]:
         task = self.task
         who = (["--client-id", f"client-{i:03d}"] if self.key_seed is None
                else ["--run-key-seed", str(self.key_seed)])
         cmd = [sys.executable, "-m", "murmura", "client", "--server", address, *who,
                "--client-index", str(i),
-               "--num-clients", str(self.run.clients), "--threads", str(self.run.client_threads),
-               "--task", task.task, "--model", task.model, "--partition", task.partition,
-               "--alpha", str(task.alpha), "--data-seed", str(task.data_seed)]
-        if task.app:
+               "--num-clients", str(self.run.clients), "--threads", str(self.run.client_threads)]
+        if isinstance(task, FlowerApp):
+            cmd += ["--flower-app", task.ref] + (["--run-config", task.run_config]
+                                                 if task.run_config else [])
+        else:
+            cmd += ["--task", task.task, "--model", task.model, "--partition", task.partition,
+                    "--alpha", str(task.alpha), "--data-seed", str(task.data_seed)]
+        if not isinstance(task, FlowerApp) and task.app:
             cmd += ["--app", task.app]
         if self.device:
             cmd += ["--device", self.device]
@@ -192,18 +321,42 @@ def _forked_client(queue: Any, task: Any, index: int, run: RunConfig, log_path: 
     cfg = ClientConfig(server=address, client_id=legacy_id, client_index=index,
                        num_clients=run.clients, threads=run.client_threads,
                        device=device or "auto")
-    run_client(cfg, task, identity=identity)
+    try:
+        run_client(cfg, task, identity=identity)
+    except Exception as exc:  # the traceback, then the line `murmura run` reports
+        log.error("client %d failed", index, exc_info=True)
+        print(f"{ERROR_PREFIX}{error_line(exc)}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def _client_thread(task_cfg: Any, address: str, index: int, run: RunConfig,
-                   key_seed: int | None = None) -> None:
+                   key_seed: int | None = None, errors: dict[int, str] | None = None) -> None:
     from murmura.client import ClientConfig
 
     # torch's thread count is per calling thread, so each client thread sets its own
     identity, legacy_id = run_identity(key_seed, index)
     cfg = ClientConfig(server=address, client_id=legacy_id, client_index=index,
                        num_clients=run.clients, device="cpu", threads=run.client_threads)
-    run_client(cfg, task_cfg, identity=identity, report=False)
+    try:
+        run_client(cfg, task_cfg, identity=identity, report=False)
+    except Exception as exc:  # `murmura run` reports it in one line, not a thread traceback
+        if errors is None:
+            raise
+        log.debug("client %d failed", index, exc_info=True)
+        errors[index] = error_line(exc)
+
+
+def error_line(exc: BaseException) -> str:
+    """A client's failure in one line: the message of an error that names its cause (a bad
+    app or option: ValueError; a refusal: RemoteError), else the exception's type too."""
+    from murmura.client import RemoteError
+
+    text = " ".join(str(exc).split())
+    if isinstance(exc, RemoteError) and exc.status == "UNAVAILABLE":
+        text = " ".join(exc.message.split())
+    elif not isinstance(exc, ValueError | RemoteError):
+        text = f"{type(exc).__name__}: {text}"
+    return text[:500]
 
 
 # -- murmura launch ---------------------------------------------------------------------------

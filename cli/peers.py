@@ -17,12 +17,13 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from murmura.config import build, read_toml
 from murmura.progress import Progress
+
+if TYPE_CHECKING:  # imported where used: building the parser loads no numpy
+    import numpy as np
 
 log = logging.getLogger("murmura")
 
@@ -44,7 +45,19 @@ def cmd_peer(args: argparse.Namespace) -> int:
     cfg = build(PeerConfig, toml.get("peer"), args, section="peer")
     task = build(TaskConfig, toml.get("task"), args, section="task")
     gossip = build(GossipConfig, toml.get("gossip"), args, section="gossip")
-    runtime = build_peer(cfg, task, gossip)
+    last: dict[str, Any] = {}
+
+    def show(round_: int, metrics: dict[str, Any]) -> None:
+        """A line per round: this peer's model on the test set, and what it mixed."""
+        last.update(metrics, round=round_)
+        if args.quiet == 0:
+            acc = metrics.get("accuracy")
+            print(f"round {round_ + 1}/{gossip.rounds}"
+                  + (f": accuracy {acc:.4f}" if isinstance(acc, float) else "")
+                  + f", mixed {metrics.get('mixed', 0)} models, view {metrics.get('view', 0)}",
+                  flush=True)
+
+    runtime = build_peer(cfg, task, gossip, on_metrics=show)
     for sig in (signal.SIGINT, signal.SIGTERM):  # graceful leave: finish the round, goodbye
         signal.signal(sig, lambda *_: runtime.stop())
     try:
@@ -63,7 +76,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
     stats = runtime.run()
     print(f"peer {cfg.identity()}: {stats.rounds} rounds, {stats.sent} models sent, "
-          f"{stats.received} received, {stats.send_failures} failed sends", flush=True)
+          f"{stats.received} received, {stats.send_failures} failed sends"
+          + (f"; final test accuracy {last['accuracy']:.4f}"
+             if isinstance(last.get("accuracy"), float) else ""), flush=True)
     if stats.rounds and not stats.sent and not stats.received:
         print(f"murmura peer {cfg.identity()}: warning: no other peer was ever reached, so "
               f"this model was trained on this peer's data share alone", file=sys.stderr,
@@ -73,9 +88,14 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
 # -- murmura run --gossip ---------------------------------------------------------------------
 
-def consensus_row(round_: int, rows: list[dict[str, Any]], models: list[np.ndarray]
-                  ) -> dict[str, Any]:
-    """One metrics row from the peers' reports of a round (and their models)."""
+def consensus_row(round_: int, rows: list[dict[str, Any]], models: list[np.ndarray], *,
+                  updates_before: int = 0) -> dict[str, Any]:
+    """One metrics row from the peers' reports of a round (and their models). ``updates``
+    is the run's total so far (``updates_before`` plus this round's, ``updates_in_round``),
+    so the summary, which reads the last row, counts the whole run."""
+    import numpy as np
+
+    mixed = int(sum(r.get("mixed", 0) for r in rows))
     accs = [r["accuracy"] for r in rows if r.get("accuracy") is not None]
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
     distance = None
@@ -90,7 +110,7 @@ def consensus_row(round_: int, rows: list[dict[str, Any]], models: list[np.ndarr
         "loss": float(np.mean(losses)) if losses else None,
         "consensus_distance": distance,
         "bytes_up": int(sum(r.get("bytes_sent", 0) for r in rows)),
-        "updates": int(sum(r.get("mixed", 0) for r in rows)),
+        "updates": updates_before + mixed, "updates_in_round": mixed,
         "time_s": float(max((r.get("time_s", 0.0) for r in rows), default=0.0)),
     }
 
@@ -107,6 +127,8 @@ class GossipRun:
         self._offsets: dict[str, int] = dict.fromkeys(peers, 0)
         self.next_round = 0
         self.bytes_before: dict[str, int] = dict.fromkeys(peers, 0)
+        #: Updates mixed in the rounds written so far (rows count the run's total).
+        self.updates = 0
 
     def poll(self) -> None:
         for p in self.peers:
@@ -150,9 +172,12 @@ class GossipRun:
                 rows.append(self.rows[p][r])
                 path = self.report / f"{p}-r{r:05d}.npy"
                 if path.exists():
+                    import numpy as np
+
                     models.append(np.load(path))
                     path.unlink()
-            row = consensus_row(r, rows, models)
+            row = consensus_row(r, rows, models, updates_before=self.updates)
+            self.updates = row["updates"]
             out.append(row)
             self.next_round += 1
 
@@ -200,8 +225,9 @@ def cmd_run_gossip(args: argparse.Namespace, run: Any, toml: dict[str, Any]) -> 
     try:
         bootstrap = ready.get(timeout=120)[2]
     except Exception:
-        print("the first peer did not start (see its log)", file=sys.stderr)
-        _stop(procs)
+        print(f"the first peer did not start (see its log: {out / 'peers' / ids[0]}.log)",
+              file=sys.stderr)
+        _stop(procs, logs=out / "peers")
         return 1
     for i in range(1, run.clients):
         cfg = PeerConfig(client_index=i, num_clients=run.clients, report=str(report),
@@ -229,7 +255,7 @@ def cmd_run_gossip(args: argparse.Namespace, run: Any, toml: dict[str, Any]) -> 
             time.sleep(0.2)
     finally:
         progress.close()
-        failed = _stop(procs)
+        failed = _stop(procs, logs=out / "peers")
     follow.poll()
     for row in follow.complete(set()):
         recorder.record(row)
@@ -252,7 +278,7 @@ def cmd_run_gossip(args: argparse.Namespace, run: Any, toml: dict[str, Any]) -> 
     return 0 if finished and not failed else 1
 
 
-def _stop(procs: list[Any], grace_s: float = 30.0) -> int:
+def _stop(procs: list[Any], grace_s: float = 30.0, *, logs: Path | None = None) -> int:
     deadline = time.monotonic() + grace_s
     failed = 0
     for p in procs:
@@ -262,7 +288,8 @@ def _stop(procs: list[Any], grace_s: float = 30.0) -> int:
             p.join(10)
         if p.exitcode not in (0, -signal.SIGTERM):
             failed += 1
-            log.error("peer process %s exited with code %s (see its log)", p.name, p.exitcode)
+            where = f"its log: {logs / p.name}.log" if logs is not None else "its log"
+            log.error("peer process %s exited with code %s (see %s)", p.name, p.exitcode, where)
     return failed
 
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from murmura.clients import ClientLauncher
+from murmura.clients import ClientLauncher, FlowerApp
 from murmura.common import configure_logging, task_and_server
 from murmura.config import build, read_toml
-from murmura.progress import Progress
+from murmura.progress import Progress, result_line
 from murmura.validate import UsageError
 
 log = logging.getLogger("murmura")
@@ -73,6 +73,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     toml = read_toml(args.config)
     run = build(RunConfig, toml.get("run"), args, section="run")
     _check_mode_flags(args, gossip=run.gossip)
+    flower = FlowerApp(args.flower_app, args.run_config) \
+        if getattr(args, "flower_app", None) else None  # a Flower app's run (docs/flower.md)
+    if run.gossip and flower is not None:
+        raise UsageError("--flower-app runs with an aggregator; it does not take --gossip")
     if run.gossip:
         from murmura.peers import cmd_run_gossip
 
@@ -88,7 +92,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     quiet = args.quiet > 0
     if not quiet:
         print(f"murmura run: {run.clients} clients, mode={server.mode}, "
-              f"task={task.app or task.task}, codec={server.train.codec}, out={out}",
+              f"task={flower.ref if flower else task.app or task.task}, "
+              f"codec={server.train.codec}, out={out}",
               file=sys.stderr)
     t0 = time.monotonic()
     # Fork client processes first, before this process runs any torch op or gRPC call.
@@ -96,8 +101,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     # rerun); with identities off they join under the legacy ids client-000, ... as the
     # simulator's clients do.
     key_seed = server.seed if server.security.require_identity else None
-    launcher = ClientLauncher(run, task, out, args.device, key_seed)
-    core = build_core(server, task, out_dir=out, extra_config={"run": dataclasses.asdict(run)})
+    launcher = ClientLauncher(run, flower or task, out, args.device, key_seed)
+    if flower is not None:  # after the fork: loading the app may run torch ops
+        from murmura.server.flower import flower_core, given_keys
+
+        core = flower_core(server, flower.ref, out_dir=out, run_config=flower.run_config,
+                           given=given_keys(args, toml),
+                           extra_config={"run": dataclasses.asdict(run)})
+        server = core.config  # with the settings the app's config suggests
+    else:
+        core = build_core(server, task, out_dir=out,
+                          extra_config={"run": dataclasses.asdict(run)})
     progress = Progress(server.max_versions, quiet=quiet)
     interrupted = threading.Event()
     with ServerThread(core) as srv, _on_sigint(interrupted, quiet):
@@ -111,28 +125,29 @@ def cmd_run(args: argparse.Namespace) -> int:
             if interrupted.is_set():  # tell clients to stop; what ran is summarised below
                 srv.call(core.stop)
             failed = _stop_clients(clients, 5.0 if interrupted.is_set() else 30.0)
+            failed = sorted(set(failed) | set(launcher.errors))  # threads that raised too
         metrics = srv.call(lambda: dict(core.last_metrics))
     assert core.recorder is not None  # build_core with an out_dir records the run
-    summary = core.recorder.finish({"wall_s": time.monotonic() - t0, "clients_failed": failed,
+    summary = core.recorder.finish({"wall_s": time.monotonic() - t0,
+                                    "clients_failed": len(failed),
                                     "interrupted": interrupted.is_set()})
+    failure = launcher.why_failed(failed) if failed and not interrupted.is_set() else ""
+    if failure:  # one line naming the cause and the client's log (not "see its log")
+        print(f"murmura run: {failure}", file=sys.stderr)
     if interrupted.is_set():
         print(f"interrupted at version {metrics.get('version', 0)}", file=sys.stderr)
-    elif not finished:
+    elif not finished and not failure:
         why = "timeout" if time.monotonic() - t0 >= run.timeout_s else "clients exited"
         print(f"run did not finish ({why}) at version {metrics.get('version', 0)}",
               file=sys.stderr)
-    acc = summary.get("final_accuracy")
-    ppl = metrics.get("perplexity")  # a language model's (the lm task)
-    print(f"final test accuracy {acc:.4f}"
-          + (f", perplexity {ppl:.2f}" if isinstance(ppl, float) else "")
-          + f" after {summary['versions']} versions "
-          f"({summary['updates']} updates, {summary['bytes_up'] / 1e6:.2f} MB up) "
-          f"in {summary['wall_s']:.1f} s" if acc is not None else "no version was published")
+    print(result_line(summary, metrics, summary["wall_s"]))
     written = [f"{out}/{name}" for name in ("metrics.jsonl", "summary.json", "accuracy.png")
                if (out / name).exists()]
     print(f"results: {', '.join(written)}")
     if interrupted.is_set():
         return 130
+    if not finished and failure:  # the clients failed (a bad app, an unreachable server...)
+        return 2
     return 0 if finished and not failed else 1
 
 
@@ -191,11 +206,12 @@ def _on_sigint(event: threading.Event, quiet: bool = False) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _stop_clients(clients: list[Any], grace_s: float = 30.0) -> int:
-    """Wait for clients to leave after the server's STOP; end stragglers. Returns failures."""
+def _stop_clients(clients: list[Any], grace_s: float = 30.0) -> list[int]:
+    """Wait for clients to leave after the server's STOP; end stragglers. Returns the indices
+    of the client processes that failed (threads report theirs to the launcher)."""
     deadline = time.monotonic() + grace_s
-    failed = 0
-    for c in clients:
+    failed: list[int] = []
+    for index, c in enumerate(clients):
         if isinstance(c, threading.Thread):
             c.join(max(deadline - time.monotonic(), 0.1))
             continue
@@ -213,6 +229,6 @@ def _stop_clients(clients: list[Any], grace_s: float = 30.0) -> int:
                 c.join(10)
             code = c.exitcode
         if code not in (0, -signal.SIGTERM):
-            failed += 1
-            log.error("a client process exited with code %s (see its log)", code)
+            failed.append(index)
+            log.info("client process %d exited with code %s", index, code)
     return failed

@@ -8,11 +8,13 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from murmura.common import configure_logging, task_and_server
 from murmura.config import read_toml
+from murmura.progress import Progress, result_line
 
 if TYPE_CHECKING:
     from murmura.server import ServerConfig
@@ -33,6 +35,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 async def _serve(server_cfg: ServerConfig, task: TaskConfig, args: argparse.Namespace) -> int:
     from murmura.server import AggregatorServer, build_core
 
+    t0 = time.monotonic()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before the address is announced
@@ -54,10 +57,12 @@ async def _serve(server_cfg: ServerConfig, task: TaskConfig, args: argparse.Name
     # Durable (the default): OUT/state.db keeps what a restart needs, and a server started on
     # an OUT that holds state resumes from it (it logs "resumed from the durable state").
     if args.flower_app:  # the model a Flower client starts from (docs/flower.md)
-        from murmura.server.flower import flower_core
+        from murmura.server.flower import flower_core, given_keys
 
         core = flower_core(server_cfg, args.flower_app, out_dir=out, resume=resume,
-                           durable=args.durable)
+                           durable=args.durable, run_config=args.run_config,
+                           given=given_keys(args, read_toml(args.config)))
+        server_cfg = core.config  # with the settings the app's config suggests
     else:
         core = build_core(server_cfg, task, out_dir=out, resume=resume, durable=args.durable)
     srv = AggregatorServer(core)
@@ -69,9 +74,14 @@ async def _serve(server_cfg: ServerConfig, task: TaskConfig, args: argparse.Name
         raise ValueError(f"--address: cannot listen on {server_cfg.address[:60]} (port "
                          f"already in use?)") from None
     print(f"murmura server listening on {srv.address}", flush=True)
+    progress = Progress(server_cfg.max_versions, quiet=args.quiet > 0)
+    reporter = asyncio.ensure_future(_report(core, progress))
     done = asyncio.ensure_future(srv.wait_done())
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({done, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    reporter.cancel()
+    progress.update(dict(core.last_metrics))  # the last version, if the poll missed it
+    progress.close()
     if done.done() and not stop.is_set():
         log.info("reached %d versions; telling clients to stop", core.version)
         try:  # keep answering STOP for a moment so connected clients learn the run is over
@@ -85,9 +95,26 @@ async def _serve(server_cfg: ServerConfig, task: TaskConfig, args: argparse.Name
     stopped.cancel()
     await srv.stop(grace=1.0)
     assert core.recorder is not None  # build_core with an out_dir records the run
-    summary = core.recorder.finish()
+    wall_s = time.monotonic() - t0
+    summary = core.recorder.finish({"wall_s": wall_s})
+    print(result_line(summary, dict(core.last_metrics), wall_s), flush=True)
     print(f"stopped at version {summary['versions']}; results in {out}", flush=True)
     return 0
+
+
+async def _report(core: Any, progress: Progress) -> None:
+    """Until cancelled: the joined clients while none has pushed, then a line per version
+    (read on the event loop that owns the core, so no lock is needed)."""
+    t0 = time.monotonic()
+    while True:
+        row = dict(core.last_metrics)
+        if int(row.get("version", 0)) > 0:
+            progress.update(row)
+        else:
+            joined = len(core.sessions)
+            progress.starting(f"waiting for clients: {joined} joined", key=joined,
+                              elapsed=time.monotonic() - t0)
+        await asyncio.sleep(0.25)
 
 
 async def _serve_leaf(server_cfg: ServerConfig, task: TaskConfig, args: argparse.Namespace,
@@ -95,6 +122,7 @@ async def _serve_leaf(server_cfg: ServerConfig, task: TaskConfig, args: argparse
     from murmura.server.leaf import Leaf
 
     leaf = Leaf(server_cfg, task, out_dir=Path(args.out))
+    t0 = time.monotonic()
     await leaf.start()
     print(f"murmura leaf listening on {leaf.address} (upstream {server_cfg.leaf.upstream})",
           flush=True)
@@ -110,8 +138,12 @@ async def _serve_leaf(server_cfg: ServerConfig, task: TaskConfig, args: argparse
     done.cancel()
     stopped.cancel()
     await leaf.stop(grace=1.0)
+    summary = leaf.finish(wall_s=time.monotonic() - t0)  # what it forwarded, not results
     if leaf.link_error is not None:
         print(f"murmura server: the upstream link failed: {leaf.link_error}", file=sys.stderr)
         return 1
-    print(f"leaf stopped; results in {args.out}", flush=True)
+    print(f"leaf stopped: forwarded {summary['partials_sent']} partials "
+          f"({summary['updates_folded']} updates from {summary['clients']} clients, "
+          f"{summary['partial_bytes_sent'] / 1e6:.2f} MB upstream); the results are the "
+          f"parent's; this leaf's summary is in {Path(args.out) / 'summary.json'}", flush=True)
     return 0

@@ -11,16 +11,18 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from murmura.clients import add_flower_arguments
 from murmura.config import add_arguments, build, read_toml
 from murmura.gossip import GossipConfig
 from murmura.progress import Progress
 from murmura.server import ServerConfig
-from murmura.simulation.api import prepare_server, simulate
 from murmura.simulation.config import SimulationConfig
-from murmura.simulation.engine import Simulation, SimulationResult
 from murmura.tasks import TaskConfig
+
+if TYPE_CHECKING:  # the engine loads torch: imported by the commands, not by the parser
+    from murmura.simulation.engine import SimulationResult
 
 DESCRIPTION = (
     "Simulate a federation of virtual clients on this machine: the real aggregator policies, "
@@ -44,6 +46,7 @@ def add_parser(subparsers: Any) -> None:
     add_arguments(p, TaskConfig, title="task")
     add_arguments(p, ServerConfig, title="server", skip=("address",))
     add_arguments(p, GossipConfig, title="gossip (with --gossip)")
+    add_flower_arguments(p, "simulate the clients and model of")
     p.set_defaults(fn=cmd_simulate)
 
 
@@ -65,28 +68,48 @@ def load_configs(toml: dict[str, Any], args: argparse.Namespace | None = None
 def simulate_file(path: str | Path, **overrides: Any) -> SimulationResult:
     """Run ``murmura simulate --config PATH`` from Python; ``overrides`` are flag values by
     field name (e.g. ``clients=1000, max_versions=5``)."""
+    from murmura.simulation.api import simulate
+
     args = argparse.Namespace(**overrides)
     task, server, sim, given_min = load_configs(read_toml(path), args)
     return simulate(task, server, sim, wait_for_all_clients=not given_min)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from murmura.simulation.api import prepare_server
+    from murmura.simulation.engine import Simulation
+
     level = logging.WARNING - 10 * args.verbose + 10 * args.quiet
     logging.basicConfig(level=max(level, logging.DEBUG), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     toml = read_toml(args.config)
     task, server, sim, given_min = load_configs(toml, args)
+    if sim.gossip and getattr(args, "flower_app", None):
+        raise ValueError("--flower-app runs with an aggregator; it does not take --gossip")
     if sim.gossip:
         return _simulate_gossip(task, sim, toml, args)
     quiet = args.quiet > 0
     server = prepare_server(server, sim, wait_for_all_clients=not given_min)  # refuses first
+    flower = getattr(args, "flower_app", None)
+    engine: Simulation
+    if flower:  # a Flower app's clients as the virtual clients (docs/flower.md)
+        from murmura.server.flower import given_keys
+        from murmura.simulation.flower import FlowerSimulation
+
+        engine = FlowerSimulation(flower, server, sim, run_config=args.run_config,
+                                  given=sorted(given_keys(args, toml)))
+        server = engine.server_config
     if not quiet:
         print(f"murmura simulate: {sim.clients} virtual clients, mode={server.mode}, "
-              f"task={task.app or task.task}, codec={server.train.codec}, speed spread "
+              f"task={flower or task.app or task.task}, codec={server.train.codec}, "
+              f"speed spread "
               f"{sim.speed_spread:g}x, availability={sim.availability}, out={sim.out}",
               file=sys.stderr)
     progress = Progress(server.max_versions, quiet=quiet)
-    engine = Simulation(task, server, sim, progress=progress.update)
+    if flower:
+        engine.progress = progress.update
+    else:
+        engine = Simulation(task, server, sim, progress=progress.update)
     interrupted = False
     try:
         engine.advance()

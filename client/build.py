@@ -88,6 +88,7 @@ def build_client(cfg: ClientConfig, task_cfg: TaskConfig, transport: Transport, 
                          profile=profile, token=cfg.token, codec=cfg.codec, wait_s=cfg.wait_s,
                          update_hook=attack.update,
                          retry=RetryPolicy(give_up_after_s=cfg.give_up_after_s),
+                         give_up_unreached_s=cfg.give_up_unreached_s,
                          on_ack=ack_logger(cfg.ack_log) if cfg.ack_log else None)
 
 

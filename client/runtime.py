@@ -50,6 +50,21 @@ T = TypeVar("T")
 UpdateHook = Callable[[FlatVector], FlatVector]
 
 
+@dataclass(frozen=True)
+class TaskReport:
+    """One finished task, for a caller that shows progress (``murmura client``): the version
+    trained on, the examples seen, the local metrics, and what the server did with the push
+    (``pushed``; else ``refused`` holds the refusal's status)."""
+
+    version: int
+    examples: int
+    metrics: dict[str, float]
+    pushed: bool
+    refused: str = ""
+    staleness: int = 0
+    duplicate: bool = False
+
+
 @dataclass
 class ClientStats:
     tasks: int = 0
@@ -60,6 +75,8 @@ class ClientStats:
     rejoins: int = 0
     bytes_payload: int = 0
     refusals: list[str] = field(default_factory=list)
+    #: The latest global version the server named (a stop names the run's last): -1 before.
+    version: int = -1
 
 
 class ClientRuntime:
@@ -84,7 +101,8 @@ class ClientRuntime:
                  update_hook: UpdateHook | None = None,
                  update_ids: UpdateIds | None = None,
                  on_ack: Callable[[str, PushResult], None] | None = None,
-                 fatal_refusals: frozenset[str] = frozenset()) -> None:
+                 fatal_refusals: frozenset[str] = frozenset(),
+                 give_up_unreached_s: float | None = None) -> None:
         self.transport = transport
         self.trainer = trainer
         if identity is None and not client_id:
@@ -114,7 +132,16 @@ class ClientRuntime:
         #: Statuses of a refused update that end the run (RemoteError) instead of moving on to
         #: the next task: a leaf's link uses it, since none of its later partials would count.
         self.fatal_refusals = fatal_refusals
+        #: Give up this many seconds after ``first_try`` while the transport has never been
+        #: connected (a wrong address or port fails in seconds, not after ``retry``'s
+        #: minutes); once connected, ``retry`` alone decides. None: ``retry`` alone.
+        self.give_up_unreached_s = give_up_unreached_s
+        #: When the first contact was tried (``clock``): set by the first request, or earlier
+        #: by a caller that tried the transport itself before building this runtime.
+        self.first_try: float | None = None
         self.stats = ClientStats()
+        #: Called after each task with its :class:`TaskReport` (None: nothing is reported).
+        self.on_task: Callable[[TaskReport], None] | None = None
         self.session = ""
         self.settings: TaskSettings | None = None
         self.spec: ModelSpec | None = None
@@ -150,6 +177,8 @@ class ClientRuntime:
     def _call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` with backoff on retryable errors and a re-join on a lost session."""
         backoff = self.retry.start(self.clock(), self._rand)
+        if self.first_try is None:
+            self.first_try = backoff.started
         while True:
             try:
                 return fn()
@@ -164,11 +193,25 @@ class ClientRuntime:
                     continue
                 pause = (backoff.next_pause(self.clock(), exc.retry_after_s)
                          if action == "retry" else None)
+                if pause is not None and not self.transport.connected:
+                    pause = self._unreached_pause(pause, exc)
                 if pause is None:
                     raise
                 self.stats.retries += 1
                 log.info("%s: %s; retrying in %.2fs", self.client_id, exc.status, pause)
                 self.sleep(pause)
+
+    def _unreached_pause(self, pause: float, exc: RemoteError) -> float:
+        """``pause``, cut to end at the never-connected deadline; past it, the error to exit
+        with: the transport's reason (the address, what failed) and how long it tried."""
+        limit = self.give_up_unreached_s
+        if limit is None or self.first_try is None:
+            return pause
+        left = self.first_try + limit - self.clock()
+        if left <= 0:
+            raise RemoteError(exc.status, f"{exc.message}; gave up after {limit:g} s without "
+                                          f"ever reaching it (--give-up-unreached-s)") from None
+        return min(pause, left)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -178,6 +221,7 @@ class ClientRuntime:
         try:
             while not max_tasks or self.stats.tasks < max_tasks:
                 task = self._call(lambda: self.transport.task(self.session, self.wait_s))
+                self.stats.version = max(self.stats.version, task.version)
                 if task.action == Action.STOP:
                     log.info("%s: server says stop", self.client_id)
                     break
@@ -264,6 +308,9 @@ class ClientRuntime:
             # next_task (a session lost and not regained lands here too, as before)
             self.stats.refused += 1
             self.stats.refusals.append(exc.status)
+            if self.on_task is not None:
+                self.on_task(TaskReport(version, result.num_examples, metrics, False,
+                                        refused=exc.status))
             if run_is_over(exc.status, exc.message):  # a normal end: the next task says stop
                 log.info("%s: the run is over; this update came too late", self.client_id)
                 return
@@ -279,6 +326,10 @@ class ClientRuntime:
             self.stats.duplicates += 1
         if self.on_ack is not None:
             self.on_ack(update_id, reply)
+        if self.on_task is not None:
+            self.on_task(TaskReport(version, result.num_examples, metrics, True,
+                                    staleness=int(getattr(reply, "staleness", 0)),
+                                    duplicate=bool(getattr(reply, "duplicate", False))))
 
     def _choose_codec(self, payload_bytes: int, push_s: float, train_s: float) -> None:
         """``codec='auto'``: pick the codec for the next updates from this push's speed."""

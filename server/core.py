@@ -34,6 +34,7 @@ from murmura.protocols.identity import (
 )
 from murmura.server.checkpoint import Checkpoint
 from murmura.server.client_eval import ClientEvals
+from murmura.server.client_train import ClientTrainMetrics
 from murmura.server.compass_policy import CompassPolicy
 from murmura.server.config import ServerConfig
 from murmura.server.decoding import Decoder
@@ -41,7 +42,7 @@ from murmura.server.errors import (
     ServiceError,
 )
 from murmura.server.intake import MAX_PARTIAL_COUNT, IntakeJob
-from murmura.server.model import ModelRule, OptimizerRule, PoolRule
+from murmura.server.model import BufferRule, ModelRule, OptimizerRule, PoolRule
 from murmura.server.outputs import RunRecorder
 from murmura.server.policy import AsyncPolicy, Policy, PolicyHost, SyncPolicy
 from murmura.server.publisher import Publisher
@@ -61,6 +62,7 @@ from murmura.server.state import (
     StoredState,
     Touch,
 )
+from murmura.server.steadiness import SwingWatch
 from murmura.server.versions import (
     AGG_PREFIX,
     REFERENCE_VERSIONS,
@@ -93,7 +95,9 @@ class Traffic:
     bytes_up: int = 0
     bytes_down: int = 0
     updates: int = 0
-    refused: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)  # by gRPC status
+    #: The same refusals by ``STATUS: reason`` (ServiceError.key): what went wrong, in short.
+    refused_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 #: Forwards a leaf's partial aggregate upstream: ``forward(aggregator, updates)`` runs on the
@@ -207,6 +211,9 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
         self.last_metrics: dict[str, Any] = {}
         #: Clients' evaluation reports waiting for the next metrics row (server/client_eval.py).
         self.client_evals = ClientEvals()
+        #: Clients' training metrics for the rows; None (off) unless a run turns it on
+        #: (a Flower app's: server/flower.py).
+        self.client_train: ClientTrainMetrics | None = None
         self._listeners: list[Callable[[], None]] = []
         #: Runs folds and publishing in order; a server gives it a thread (see publisher.py).
         self.publisher = Publisher(threaded=False)
@@ -219,8 +226,15 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
         #: push that completed a version answers with that version).
         self.publishes = 0
         self.last_publish: Future[Any] | None = None
+        #: Watches the published versions' accuracy for swings (server/steadiness.py).
+        self.swings = SwingWatch()
         self._pub_params = self.params        # the publisher thread's view of the model
         self._pub_version = self.version
+        #: Buffers (BatchNorm statistics) are averaged, not stepped (server/model.py); None
+        #: for a model without any. Kept for every version an update may still be trained on.
+        self.buffers = (BufferRule.for_spec(spec, self.params, self.version,
+                                            keep=config.policy.max_staleness + 2)
+                        if self.update_size == spec.size else None)  # not a seed pool's
         #: Set on a leaf aggregator: publishing forwards the partial upstream instead.
         self.forward: Forward | None = None
         #: False while a leaf waits for its parent's first model: clients are told to wait.
@@ -250,6 +264,8 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
         self.traffic.bytes_down = int(counters.get("bytes_down", 0))
         self.traffic.refused = {str(k): int(v) for k, v in
                                 dict(counters.get("refused", {})).items()}
+        self.traffic.refused_by_reason = {str(k): int(v) for k, v in
+                                          dict(counters.get("refused_by_reason", {})).items()}
         return float(counters.get("time_s", 0.0))
 
     def _restore(self, stored: StoredState) -> float:
@@ -269,6 +285,7 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
         """What the store keeps of the counters; they continue after a restart."""
         return {"updates": self.traffic.updates, "bytes_up": self.traffic.bytes_up,
                 "bytes_down": self.traffic.bytes_down, "refused": dict(self.traffic.refused),
+                "refused_by_reason": dict(self.traffic.refused_by_reason),
                 "time_s": round(self.clock() - self.t0, 6), "seq": self._seq}
 
     def _durable(self, op: Any, *, publishes: bool = False) -> Future[Any]:
@@ -303,6 +320,8 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
                           header.update_id, p.client_id, exc)
                 continue
             self._batch.append(p.seq)
+            decoded.base_version = header.base_version
+            decoded.examples = float(header.num_examples)
             self.policy.restore(p.client_id, header, decoded, p.staleness)
             n += 1
         return n

@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 #: The most client updates one partial aggregate may stand for.
 MAX_PARTIAL_COUNT = 1 << 31
 
+#: The most distinct ``STATUS: reason`` keys counted; later new ones count as ``STATUS: other``.
+MAX_REFUSAL_REASONS = 64
+
 
 def _header_record(header: UpdateHeader) -> dict[str, Any]:
     """The header as JSON-ready fields (the signature as hex) for the pending-updates table."""
@@ -79,15 +82,22 @@ class IntakeJob:
         def __getattr__(self, name: str) -> Any: ...
 
 
-    def count_refusal(self, refusal: ServiceError | str) -> None:
-        """Count one refused request by its status (the metrics rows report the counts); an
-        error that was counted already is not counted again."""
+    def count_refusal(self, refusal: ServiceError | str, reason: str = "") -> None:
+        """Count one refused request by its status and by ``STATUS: reason`` (the metrics
+        rows and summary.json report both); an error that was counted already is not counted
+        again. A bare status names its ``reason`` here."""
         if isinstance(refusal, ServiceError):
             if refusal.counted:
                 return
             refusal.counted = True
-            refusal = refusal.status
-        self.traffic.refused[refusal] = self.traffic.refused.get(refusal, 0) + 1
+            status, key = refusal.status, refusal.key
+        else:
+            status, key = refusal, f"{refusal}: {reason or 'no reason given'}"
+        self.traffic.refused[status] = self.traffic.refused.get(status, 0) + 1
+        by_reason = self.traffic.refused_by_reason
+        if key not in by_reason and len(by_reason) >= MAX_REFUSAL_REASONS:
+            key = f"{status}: other"  # bounded: odd messages cannot grow the rows
+        by_reason[key] = by_reason.get(key, 0) + 1
 
     @staticmethod
     def _check_partial(decoded: Decoded) -> None:
@@ -179,8 +189,17 @@ class IntakeJob:
         if header.codec == PARTIAL_CODEC:
             self._check_leaf(rec)
         if (rec.client_id, header.update_id) not in self._seen:
-            self.policy.check_staleness(self.version - header.base_version)
+            self.policy.check_staleness(self.staleness_of(header.base_version))
         return rec
+
+    def staleness_of(self, base_version: int) -> int:
+        """How many versions an update trained on ``base_version`` is behind the model its
+        aggregate will step: the installed version plus those being published. A version in
+        the publisher's queue is not installed yet, but the next aggregate steps *its* model;
+        counting only installed versions gave updates that arrive while the publisher lags (a
+        loaded machine, many clients) the full weight of fresh ones, so several versions in a
+        row stepped the same old deltas (async runs that swung by 0.4 in accuracy)."""
+        return self.version + self.publishing - base_version
 
     def begin_push(self, header: UpdateHeader, payload_bytes: int, *,
                    wire_bytes: int = 0) -> tuple[ClientRecord, PushResult | None]:
@@ -212,7 +231,7 @@ class IntakeJob:
                               f"to learn its outcome")
             rec = self._precheck(header, rec)
             if self.finished:
-                raise FailedPrecondition(self._finished_message())
+                raise FailedPrecondition(self._finished_message(), reason="run over")
             if header.payload_bytes != payload_bytes:
                 raise InvalidArgument(f"header announces {header.payload_bytes} payload bytes, "
                                       f"{payload_bytes} arrived")
@@ -262,8 +281,8 @@ class IntakeJob:
             if self.config.security.require_identity:
                 self._check_signature(rec, header, digest)
             if self.finished:
-                raise FailedPrecondition(self._finished_message())
-            staleness = self.version - header.base_version  # versions may have been published
+                raise FailedPrecondition(self._finished_message(), reason="run over")
+            staleness = self.staleness_of(header.base_version)  # versions may have been made
             self.policy.check_staleness(staleness)
             if decoded.is_partial:
                 self._check_partial(decoded)
@@ -291,12 +310,18 @@ class IntakeJob:
             report = report_from_metrics(rec.client_id, header.metrics)
             if report is not None:  # before accept: it may publish the version with it
                 self.client_evals.add(report)
+            trained = (self.client_train.add(header.metrics, header.num_examples)
+                       if self.client_train is not None else None)  # server/client_train.py
+            decoded.base_version = header.base_version
+            decoded.examples = float(header.num_examples)
             try:
                 self.policy.accept(rec, header, decoded, staleness, release)
                 taken = True
             except BaseException:
                 if report is not None:
                     self.client_evals.discard(report)
+                if trained is not None:
+                    self.client_train.discard(trained)
                 self.traffic.updates -= 1
                 self.fold_mass -= mass
                 if seq:

@@ -81,7 +81,8 @@ class RunRecorder:
             "updates": last.get("updates", 0),
             "bytes_up": last.get("bytes_up", 0),
             "bytes_down": last.get("bytes_down", 0),
-            "refused": last.get("refused", {}),
+            "refused": last.get("refused", {}),  # by gRPC status
+            "refused_by_reason": last.get("refused_by_reason", {}),  # by "STATUS: reason"
             "config": self.config,
         }
         summary.update(extra or {})
@@ -89,7 +90,9 @@ class RunRecorder:
                                                               default=str))
         if plot and self.count:
             try:
-                plot_run(self.rows, self.out_dir / "accuracy.png")
+                title, virtual = plot_labels(self.config, self.out_dir)
+                plot_run(self.rows, self.out_dir / "accuracy.png", title=title,
+                         virtual=virtual)
             except Exception:  # a missing plot must not lose a finished run's results
                 log.exception("could not draw the accuracy plot")
         return summary
@@ -108,8 +111,28 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def plot_run(rows: list[dict[str, Any]], path: Path) -> None:
-    """Accuracy against time and against cumulative uplink bytes, side by side."""
+def plot_labels(config: dict[str, Any], out_dir: Path) -> tuple[str, bool]:
+    """A run's plot title (the command, the mode, the run's directory) and whether its time
+    is virtual (a simulation's), from the config its summary records."""
+    if "simulation" in config:
+        command, virtual = "simulate", True
+    elif "run" in config:
+        command, virtual = "run", False
+    else:
+        command, virtual = "server", False
+    if "gossip" in config:
+        mode = f"gossip ({config['gossip'].get('topology', '')})".replace(" ()", "")
+    else:
+        mode = f"{config.get('server', {}).get('mode', 'sync')} mode"
+    return f"murmura {command}: {mode}, {out_dir.name}", virtual
+
+
+def plot_run(rows: list[dict[str, Any]], path: Path, *, title: str = "Murmura run",
+             virtual: bool = False) -> None:
+    """Accuracy against time and against cumulative uplink bytes, side by side.
+
+    Virtual time (a simulation's) is plotted as it is; wall-clock time from the first
+    version, so start-up (processes starting, torch importing) does not stretch the axis."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,16 +140,18 @@ def plot_run(rows: list[dict[str, Any]], path: Path) -> None:
 
     acc = [r.get("accuracy") for r in rows]
     t = [r.get("time_s", 0.0) for r in rows]
+    if not virtual and t:
+        t = [x - t[0] for x in t]
     up = [r.get("bytes_up", 0) / 1e6 for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     axes[0].plot(t, acc, marker=".")
-    axes[0].set_xlabel("time (s)")
+    axes[0].set_xlabel("virtual seconds" if virtual else "seconds since the first version")
     axes[1].plot(up, acc, marker=".")
     axes[1].set_xlabel("cumulative uplink (MB)")
     for ax in axes:
         ax.set_ylabel("test accuracy")
         ax.grid(alpha=0.3)
-    fig.suptitle("Murmura run")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -80,7 +81,8 @@ class PolicyHost(Protocol):
     def fold(self, fn: Callable[..., None], decoded: Decoded, *args: Any,
              release: Callable[[], None] | None = None, **kwargs: Any) -> None: ...
 
-    def publish(self, aggregator: Aggregator, *, updates: int, round_id: int = 0) -> None: ...
+    def publish(self, aggregator: Aggregator, *, updates: int, round_id: int = 0,
+                detail: dict[str, Any] | None = None) -> None: ...
 
 
 def _staleness_fn(core: PolicyHost):  # noqa: ANN202
@@ -149,6 +151,18 @@ def fold_into(decoded: Decoded, agg: Aggregator, weight: float, *, factor: float
         agg.add(decoded.values, weight, factor=factor, client_id=client_id)
 
 
+def buffer_detail(staleness: list[int], clients: Counter[str]) -> dict[str, Any]:
+    """An async version's buffer for its metrics row: how stale its updates were and how many
+    clients they came from (a buffer filled by few clients moves the model toward their data,
+    one cause of accuracy that swings from version to version with non-IID clients)."""
+    if not staleness:
+        return {}
+    return {"staleness_mean": round(sum(staleness) / len(staleness), 3),
+            "staleness_max": max(staleness),
+            "buffer_clients": len(clients),
+            "buffer_top_share": round(max(clients.values()) / sum(clients.values()), 3)}
+
+
 class Policy(ABC):
     #: The rule the policy folds into; the core asks it whether partials can enter.
     aggregator: Aggregator
@@ -166,7 +180,7 @@ class Policy(ABC):
             raise FailedPrecondition(
                 f"update is {staleness} versions old (trained on version "
                 f"{self.core.version - staleness}, global is {self.core.version}); "
-                f"the limit is {limit}: pull the model and train again")
+                f"the limit is {limit}: pull the model and train again", reason="too stale")
 
     @abstractmethod
     def accept(self, rec: ClientRecord, header: UpdateHeader, update: Decoded,
@@ -277,10 +291,11 @@ class SyncPolicy(Policy):
         cid = rec.client_id
         current = self.open and header.round == self.round and staleness == 0
         if current and cid not in self._members:
-            raise FailedPrecondition(f"client {cid!r} is not in the cohort of round {self.round}")
+            raise FailedPrecondition(f"client {cid!r} is not in the cohort of round {self.round}",
+                                     reason="not in the round's cohort")
         if current and cid in self.submitted:
             raise FailedPrecondition(f"client {cid!r} already sent an update for round "
-                                     f"{self.round}")
+                                     f"{self.round}", reason="already sent this round")
         if header.round > self.round:
             raise InvalidArgument(f"round {header.round} has not started (current round is "
                                   f"{self.round})")
@@ -412,6 +427,9 @@ class AsyncPolicy(Policy):
                               aggregator=lambda size: make_aggregator(core))
         self.aggregator = self.buffer.aggregator
         self._tasks = 0
+        # the buffer being filled: each update's staleness and client (for the metrics row)
+        self._stale: list[int] = []
+        self._from: Counter[str] = Counter()
 
     def task_for(self, rec: ClientRecord) -> Task:
         if self.core.done:
@@ -439,8 +457,12 @@ class AsyncPolicy(Policy):
         factor, full = self.buffer.admit(staleness, update.count)
         self.core.fold(fold_into, update, self.aggregator, float(header.num_examples),
                        factor=factor, client_id=client_id, release=release)
+        self._stale.append(staleness)
+        self._from[client_id] += 1
         if full:
-            self.core.publish(self.aggregator, updates=self.buffer.emptied())
+            detail = buffer_detail(self._stale, self._from)
+            self._stale, self._from = [], Counter()
+            self.core.publish(self.aggregator, updates=self.buffer.emptied(), detail=detail)
 
     def restore(self, client_id: str, header: UpdateHeader, update: Decoded,
                 staleness: int) -> None:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import multiprocessing
 import pickle
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -36,6 +37,25 @@ logger = logging.getLogger(__name__)
 
 #: A pickled job or result larger than this is refused: bulk data belongs in a slab.
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+
+
+def check_not_in_worker_import() -> None:
+    """Refuse to start worker processes from a script that a worker process is importing.
+
+    Worker processes (and the forkserver they come from) import the ``__main__`` script, as
+    ``__mp_main__``, so that functions defined there can be sent to them. A script without an
+    ``if __name__ == "__main__":`` guard then starts a server again inside each of them, which
+    starts workers that import the script again: without this check, thousands of processes.
+    """
+    # In the parent, multiprocessing makes __mp_main__ another name for __main__; while a
+    # child runs the script it is the script's own module, named __mp_main__.
+    main = sys.modules.get("__mp_main__")
+    if main is not None and main is not sys.modules.get("__main__") \
+            and getattr(main, "__name__", "") == "__mp_main__":
+        where = getattr(main, "__file__", None) or "the main script"
+        raise RuntimeError(f"{where} starts an aggregator with worker processes when it is "
+                           f"imported; put that code under `if __name__ == \"__main__\":` "
+                           f"(worker processes import the main script)")
 
 
 class ProcessBackend(WorkerLifecycle, FunctionBackend):
@@ -80,6 +100,7 @@ class ProcessBackend(WorkerLifecycle, FunctionBackend):
                              " ('fork' would copy the gateway's gRPC threads and locks)")
         if start_method not in multiprocessing.get_all_start_methods():
             raise ValueError(f"start method {start_method!r} is not available on this platform")
+        check_not_in_worker_import()
         self.max_workers = max_workers
         self.idle_s = idle_s
         self.max_queue = max_queue

@@ -104,7 +104,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         return self._event
 
     async def _refuse_malformed(self, context: grpc.aio.ServicerContext, bad: Malformed) -> None:
-        self.core.count_refusal("INVALID_ARGUMENT")
+        self.core.count_refusal("INVALID_ARGUMENT", "malformed request")
         self.log_limit.log("malformed", "malformed request refused: %s", bad.what)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{bad.what} does not parse")
 

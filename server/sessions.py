@@ -103,8 +103,8 @@ class SessionsJob:
             if session in self._left:
                 raise Unauthenticated(f"session {session[:8]}… of client "
                                       f"{quote(self._left[session])} has ended (it left or "
-                                      f"expired); join again")
-            raise Unauthenticated("unknown session; call Join first")
+                                      f"expired); join again", reason="session ended")
+            raise Unauthenticated("unknown session; call Join first", reason="unknown session")
         rec.last_seen = self.clock()
         self._last_seen.pop(session, None)
         self._last_seen[session] = rec.last_seen
@@ -243,7 +243,11 @@ class SessionsJob:
         if self.store is not None:
             self._durable(SaveSession(session, client_id, dataclasses.asdict(profile),
                                       time.time(), public_key=public_key, replaces=old))
-        log.info("client %s joined (%s)", client_id, profile.device)
+        if old is None:
+            log.info("client %s joined (%s)", client_id, profile.device)
+        else:  # a restart, a lost session, or a leaf's link after its settings join
+            log.info("client %s joined again (%s); its previous session is replaced",
+                     client_id, profile.device)
         self._changed()
         return JoinResult(session=session, settings=self.config.train, mode=self.config.mode,
                           max_payload_bytes=self.config.security.max_payload_bytes)

@@ -32,12 +32,14 @@ from murmura.server.errors import (
     FailedPrecondition,
     ServiceError,
 )
+from murmura.server.model import BufferRule
 from murmura.server.outputs import clean_row
 from murmura.server.pool import PoolState
 from murmura.server.state import (
     Consume,
     PublishVersion,
 )
+from murmura.server.steadiness import SwingWatch, swing_advice
 from murmura.server.store import fsync_dir
 
 if TYPE_CHECKING:
@@ -105,6 +107,8 @@ class VersionsJob:
     _pub_params: FlatVector
     _pub_version: int
     _pool_scalars: FlatVector
+    buffers: BufferRule | None
+    swings: SwingWatch
 
     if TYPE_CHECKING:  # the core's state, typed where AggregatorCore declares it
         def __getattr__(self, name: str) -> Any: ...
@@ -160,6 +164,9 @@ class VersionsJob:
         def run() -> None:
             try:
                 with one_torch_thread(self.update_size):  # a memory-bound fold: one core
+                    if self.buffers is not None:  # re-based on the model it is folded onto
+                        self.buffers.take(box[0], self._pub_params,
+                                          accumulate=self.forward is None)
                     fn(box.pop(), *args, **kwargs)
             finally:
                 if release is not None:
@@ -169,18 +176,21 @@ class VersionsJob:
         self.publisher.post(run, what="folding an update (it is not in the aggregate)")
 
     def publish(self, aggregator: Aggregator, *, updates: int,
-                round_id: int = 0) -> None:
+                round_id: int = 0, detail: dict[str, Any] | None = None) -> None:
         """Make what ``aggregator`` holds the next global version (a leaf: send it upstream).
 
         Called by the policy on the owner's thread. The aggregate, the optimizer step,
         evaluation, the metrics row and the checkpoint run on the publisher after every fold
         submitted before; the new version is installed on the owner's thread when they are done.
+        ``detail``: the policy's own figures for the metrics row (e.g. the buffer's staleness).
         """
         self.publishing += 1
         self.fold_mass = 0.0  # later folds go into the next aggregate (the publisher is FIFO)
         if self.forward is not None:
             forward = self.forward
             self.client_evals.flush()  # a leaf writes no rows; its parent's clients report
+            if self.client_train is not None:
+                self.client_train.flush()
             self.publisher.submit(lambda: forward(aggregator, updates))
             return
         row: dict[str, Any] = {
@@ -192,8 +202,12 @@ class VersionsJob:
             "bytes_down": self.traffic.bytes_down,
             "clients": len(self.sessions),
             "refused": dict(sorted(self.traffic.refused.items())),  # by gRPC status
+            "refused_by_reason": dict(sorted(self.traffic.refused_by_reason.items())),
         }
+        row.update(detail or {})
         row.update(self.client_evals.flush())
+        if self.client_train is not None:  # clients' training metrics (server/client_train.py)
+            row.update(self.client_train.flush())
         if self.row_extras is not None:
             row.update(self.row_extras())
         seqs, self._batch = self._batch, []
@@ -211,22 +225,31 @@ class VersionsJob:
                 delta = aggregator.result()
             finally:
                 aggregator.reset()
+            if self.buffers is not None:  # buffers are averaged, never stepped
+                delta = self.buffers.without(delta)
             with np.errstate(over="ignore", invalid="ignore"):  # checked just below
                 params = self.rule.advance(self._pub_params, delta)  # ValueError: dropped
+            if self.buffers is not None:
+                self.buffers.settle(params, self._pub_params)
             try:
                 check_range(params, "the new global model")
             except ServiceError as exc:  # e.g. a server optimizer's step overflowed
                 raise ValueError(f"{exc.message}; the version is dropped") from None
         except ValueError:
+            if self.buffers is not None:
+                self.buffers.reset()
             if self.store is not None and seqs:  # its updates are spent: never replay them
                 self.store.submit(Consume(tuple(seqs)), publishes=True)
             raise
         t1 = time.perf_counter()
         self._pub_params = params
         self._pub_version += 1
+        if self.buffers is not None:
+            self.buffers.remember(self._pub_version, params)
         row = {"version": self._pub_version, **row, "aggregate_s": round(t1 - t0, 6)}
         if self.evaluator is not None:
-            row.update(self.evaluator(params))
+            row.update(self._evaluate(params))
+            self._watch_swings(row)
         if self.store is not None:
             self._publish_durably(params, aggregator, clean_row(row), seqs or [])
         else:
@@ -238,6 +261,31 @@ class VersionsJob:
         row["publish_s"] = round(time.perf_counter() - t0, 6)
         scalars = self.pool.scalars if self.pool is not None else None
         return params, row, scalars
+
+    def _watch_swings(self, row: dict[str, Any]) -> None:
+        """Warn once when the accuracy swings from version to version (server/steadiness.py)."""
+        accuracy = row.get("accuracy")
+        drops = self.swings.see(row["version"], accuracy if isinstance(accuracy, float)
+                                else None)
+        if drops:
+            cfg = self.config
+            log.warning("%s", swing_advice(drops, mode=cfg.mode,
+                                           buffer_size=cfg.policy.buffer_size,
+                                           clients=int(row.get("clients", 0)),
+                                           server_lr=cfg.policy.server_lr))
+
+    def _evaluate(self, params: FlatVector) -> dict[str, Any]:
+        """The evaluator's metrics of a new version; none when it fails. The version is
+        published all the same: a broken evaluation must not drop every aggregate (the run
+        would never reach max_versions), so it is logged instead."""
+        assert self.evaluator is not None
+        try:
+            return dict(self.evaluator(params))
+        except Exception as exc:  # noqa: BLE001 - the app's code, reported as such
+            log.error("version %d is published without the server's evaluation, which "
+                      "failed: %s", self._pub_version, exc,
+                      exc_info=not isinstance(exc, ValueError))
+            return {}
 
     def _checkpoint(self, params: FlatVector, aggregator: Aggregator,
                     row: dict[str, Any]) -> Checkpoint:
@@ -302,6 +350,8 @@ class VersionsJob:
         if self.forward is not None:
             self.publishing = 0
             self._pub_params, self._pub_version = params, version
+            if self.buffers is not None:
+                self.buffers.remember(version, params)
         if pool_scalars is not None:
             self._pool_scalars = pool_scalars
         self._history[version] = params

@@ -113,7 +113,8 @@ def test_murmura_run_gossip_modest_writes_the_rounds_aggregates(tmp_path) -> Non
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     for row in rows:  # a row holds the round's aggregators' models: 2 trained models each
-        assert 1 <= row["peers"] <= 2 and row["updates"] == 2 * row["peers"]
+        assert 1 <= row["peers"] <= 2 and row["updates_in_round"] == 2 * row["peers"]
+    assert rows[-1]["updates"] == sum(r["updates_in_round"] for r in rows)  # the run's total
     assert rows[-1]["accuracy"] > rows[0]["accuracy"]
 
 

@@ -329,3 +329,27 @@ def test_server_config_refuses_broken_settings() -> None:
         ServerConfig.from_flat(cohort_size=2, min_clients=3)
     with pytest.raises(ValueError, match="unknown optimizer"):
         ServerConfig.from_flat(optimizer="lbfgs")
+
+
+def test_an_update_arriving_while_a_version_is_being_published_counts_it_in_its_staleness(
+        ) -> None:
+    # Under load the publisher lags: version 1 is made but not installed when the next update
+    # (trained on version 0) arrives. That update steps version 1's model, so it is one version
+    # stale; counting installed versions only gave it a fresh update's full weight, and a
+    # loaded async run stepped the same old deltas in several versions in a row.
+    core = make_core(mode="async", buffer_size=2, max_versions=5, staleness="polynomial",
+                     staleness_exponent=1.0)
+    installs: list = []
+    core.post = installs.append  # installs wait, as they do behind a busy event loop
+    a, b, c = joined(core, "a", "b", "c")
+    for s in (a, b, c):
+        core.task(s)
+    push(core, a, [1.0, 1.0, 1.0, 1.0], base=0)
+    push(core, b, [1.0, 1.0, 1.0, 1.0], base=0)  # fills the buffer: version 1 is published
+    assert core.publishing == 1 and core.version == 0 and len(installs) == 1
+    late = push(core, c, [1.0, 1.0, 1.0, 1.0], base=0)
+    assert late.staleness == 1
+    for install in installs:
+        install()
+    assert core.version == 1 and core.publishing == 0
+    assert core.staleness_of(0) == 1 and core.staleness_of(1) == 0
