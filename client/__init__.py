@@ -1,7 +1,8 @@
 """The client runtime: trainers, the transport to the aggregator, and the retrying loop."""
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from murmura.protocols.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from murmura.client.build import build_client
@@ -75,11 +76,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """``package.Name`` and ``from package import Name``: import its module now."""
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -1,7 +1,8 @@
 """Device discovery and profiling, and launching client processes on a device."""
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from murmura.protocols.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from murmura.edge.device import DEVICES, device_profile, resolve_device
@@ -37,11 +38,4 @@ __all__ = ["AMP_MODES", "DEVICES", "SpeedProfile", "amp_dtype", "amp_supported",
            "profile_device", "resolve_device"]
 
 
-def __getattr__(name: str) -> Any:
-    """``package.Name`` and ``from package import Name``: import its module now."""
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

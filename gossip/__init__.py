@@ -1,7 +1,8 @@
 """Gossip mode: peers that train together with no server (docs/gossip.md)."""
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from murmura.protocols.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from murmura.gossip.config import TOPOLOGIES, GossipConfig, PeerConfig
@@ -82,11 +83,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """``package.Name`` and ``from package import Name``: import its module now."""
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

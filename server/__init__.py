@@ -1,7 +1,8 @@
 """The aggregator service: transport-agnostic core, round policies, gRPC servicer, outputs."""
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from murmura.protocols.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from murmura.server.app import AggregatorServer, ServerThread, build_core
@@ -69,11 +70,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """``package.Name`` and ``from package import Name``: import its module now."""
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -1,8 +1,9 @@
 """Simulation: thousands of virtual clients on one machine, in virtual time, through the real
 aggregator core, codecs and trainers (vectorised with torch.func where the model allows)."""
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from murmura.protocols.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from murmura.simulation.api import prepare_server, simulate
@@ -114,11 +115,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """``package.Name`` and ``from package import Name``: import its module now."""
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

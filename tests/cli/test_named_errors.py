@@ -10,19 +10,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from murmura.cli import build_parser, main
 from murmura.client.malicious import ATTACK_OPTIONS, make_attack
-from murmura.protocols import ModelSpec, TensorSpec
-from murmura.protocols.tls import make_ca, make_server_cert
-from murmura.server import AggregatorCore, ServerConfig, ServerThread
-
-SPEC = ModelSpec((TensorSpec("w", (4,)),))
 
 
 def murmura(*argv: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -44,29 +37,6 @@ def one_line(proc: subprocess.CompletedProcess[str], *fragments: str) -> str:
 
 # -- TLS mismatch, server never reached -------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("pki")
-    make_ca(root / "ca")
-    make_server_cert(root / "ca", root / "server", ["localhost", "127.0.0.1"])
-    return {"ca": root / "ca" / "ca.crt", "cert": root / "server" / "server.crt",
-            "key": root / "server" / "server.key"}
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., ServerThread]]:
-    running: list[ServerThread] = []
-
-    def start(**cfg: object) -> ServerThread:
-        core = AggregatorCore(ServerConfig.from_flat(min_clients=2, max_versions=1, **cfg),
-                              SPEC, np.zeros(4, np.float32))
-        srv = ServerThread(core, "127.0.0.1:0").start()
-        running.append(srv)
-        return srv
-
-    yield start
-    for srv in running:
-        srv.stop(grace=None)
 
 
 @pytest.mark.integration
@@ -75,9 +45,10 @@ def serve() -> Iterator[Callable[..., ServerThread]]:
     (False, ["--tls-ca", "{ca}"], "is plaintext; drop --tls-ca"),
 ])
 def test_a_tls_mismatch_is_named_in_one_line_without_grpc_log_lines_and_ends_soon(
-        serve, pki, tmp_path: Path, server_tls: bool, client_flags: list[str],
+        serve_tiny, pki, tmp_path: Path, server_tls: bool, client_flags: list[str],
         fragment: str) -> None:
-    srv = serve(tls_cert=str(pki["cert"]), tls_key=str(pki["key"])) if server_tls else serve()
+    tls = {"tls_cert": str(pki["cert"]), "tls_key": str(pki["key"])} if server_tls else {}
+    srv = serve_tiny(**tls)
     flags = [f.format(ca=pki["ca"]) for f in client_flags]
     t0 = time.monotonic()
     proc = murmura("client", "--server", srv.address, *flags, cwd=tmp_path, timeout=60)

@@ -6,47 +6,19 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
-import numpy as np
 import pytest
 import torch
 
 from murmura.client import ClientRuntime, FunctionTrainer, GrpcTransport, RemoteError, RetryPolicy
 from murmura.client.transport import TlsMismatch
-from murmura.protocols import ModelSpec, TensorSpec
-from murmura.protocols.tls import ClientTls, make_ca, make_server_cert, spoken_protocol
-from murmura.server import AggregatorCore, ServerConfig, ServerThread
+from murmura.protocols.tls import ClientTls, spoken_protocol
 
 pytestmark = pytest.mark.integration
 
-SPEC = ModelSpec((TensorSpec("w", (4,)),))
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("pki")
-    make_ca(root / "ca")
-    make_server_cert(root / "ca", root / "server", ["localhost", "127.0.0.1"])
-    return {"ca": root / "ca" / "ca.crt", "cert": root / "server" / "server.crt",
-            "key": root / "server" / "server.key"}
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., ServerThread]]:
-    running: list[ServerThread] = []
-
-    def start(**cfg: object) -> ServerThread:
-        core = AggregatorCore(ServerConfig.from_flat(min_clients=2, max_versions=1, **cfg),
-                              SPEC, np.zeros(4, np.float32))
-        srv = ServerThread(core, "127.0.0.1:0").start()
-        running.append(srv)
-        return srv
-
-    yield start
-    for srv in running:
-        srv.stop(grace=None)
 
 
 @pytest.fixture
@@ -76,16 +48,16 @@ def fails_within(rt: ClientRuntime, seconds: float) -> tuple[RemoteError, float]
     return err.value, elapsed
 
 
-def test_the_probe_tells_tls_from_plaintext_and_nothing_listening(serve, pki,
+def test_the_probe_tells_tls_from_plaintext_and_nothing_listening(serve_tiny, pki,
                                                                  dead_address) -> None:
-    assert spoken_protocol(serve(tls_cert=str(pki["cert"]), tls_key=str(pki["key"])).address) \
+    assert spoken_protocol(serve_tiny(tls_cert=str(pki["cert"]), tls_key=str(pki["key"])).address) \
         == "tls"
-    assert spoken_protocol(serve().address) == "plaintext"
+    assert spoken_protocol(serve_tiny().address) == "plaintext"
     assert spoken_protocol(dead_address) == "refused"
 
 
-def test_a_plaintext_client_of_a_tls_server_is_told_to_pass_tls_ca_at_once(serve, pki) -> None:
-    srv = serve(tls_cert=str(pki["cert"]), tls_key=str(pki["key"]))
+def test_a_plaintext_client_of_a_tls_server_is_told_to_pass_tls_ca_at_once(serve_tiny, pki) -> None:
+    srv = serve_tiny(tls_cert=str(pki["cert"]), tls_key=str(pki["key"]))
     rt = runtime(GrpcTransport(srv.address, connect_timeout_s=1.0),
                  retry=RetryPolicy(give_up_after_s=300.0))  # retrying would take minutes
     error, _ = fails_within(rt, 10.0)
@@ -94,8 +66,8 @@ def test_a_plaintext_client_of_a_tls_server_is_told_to_pass_tls_ca_at_once(serve
     assert rt.stats.retries == 0
 
 
-def test_a_tls_client_of_a_plaintext_server_is_told_to_drop_tls_ca_at_once(serve, pki) -> None:
-    srv = serve()
+def test_a_tls_client_of_a_plaintext_server_is_told_to_drop_tls_ca_at_once(serve_tiny, pki) -> None:
+    srv = serve_tiny()
     rt = runtime(GrpcTransport(srv.address, tls=ClientTls(str(pki["ca"])), connect_timeout_s=1.0),
                  retry=RetryPolicy(give_up_after_s=300.0))
     error, _ = fails_within(rt, 10.0)
@@ -118,8 +90,8 @@ def test_a_client_that_never_reached_its_server_gives_up_after_the_unreached_lim
     assert rt.stats.retries >= 1
 
 
-def test_a_client_that_was_connected_keeps_retrying_as_its_retry_policy_says(serve) -> None:
-    srv = serve()
+def test_a_client_that_was_connected_keeps_retrying_as_its_retry_policy_says(serve_tiny) -> None:
+    srv = serve_tiny()
     transport = GrpcTransport(srv.address, timeout_s=0.3, connect_timeout_s=2.0)
     transport.connect()
     assert transport.connected
