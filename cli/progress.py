@@ -54,6 +54,11 @@ class Progress:
         self._start_key, self._start_at = key, now
         self._write(f"{text}  {elapsed:.1f}s")
 
+    @property
+    def last_version(self) -> int:
+        """The last version a line was printed for (0: none yet)."""
+        return max(self._last, 0)
+
     def update(self, row: dict[str, Any]) -> None:
         if self.quiet:
             return

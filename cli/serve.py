@@ -80,7 +80,7 @@ async def _serve(server_cfg: ServerConfig, task: TaskConfig, args: argparse.Name
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({done, stopped}, return_when=asyncio.FIRST_COMPLETED)
     reporter.cancel()
-    progress.update(dict(core.last_metrics))  # the last version, if the poll missed it
+    _show_versions(core, progress)  # the versions made since the last poll
     progress.close()
     if done.done() and not stop.is_set():
         log.info("reached %d versions; telling clients to stop", core.version)
@@ -102,14 +102,29 @@ async def _serve(server_cfg: ServerConfig, task: TaskConfig, args: argparse.Name
     return 0
 
 
+def _show_versions(core: Any, progress: Progress) -> None:
+    """A line for each version made since the last one shown. Several may have come between
+    two polls (a fast run): those are read back from the run's rows, so none is skipped."""
+    if progress.quiet:
+        return
+    row = dict(core.last_metrics)
+    version, shown = int(row.get("version", 0)), progress.last_version
+    if version <= shown:
+        return
+    if version > shown + 1 and core.recorder is not None:
+        for earlier in core.recorder.rows:
+            if shown < int(earlier.get("version", 0)) < version:
+                progress.update(earlier)
+    progress.update(row)
+
+
 async def _report(core: Any, progress: Progress) -> None:
     """Until cancelled: the joined clients while none has pushed, then a line per version
     (read on the event loop that owns the core, so no lock is needed)."""
     t0 = time.monotonic()
     while True:
-        row = dict(core.last_metrics)
-        if int(row.get("version", 0)) > 0:
-            progress.update(row)
+        if int(core.last_metrics.get("version", 0)) > 0:
+            _show_versions(core, progress)
         else:
             joined = len(core.sessions)
             progress.starting(f"waiting for clients: {joined} joined", key=joined,

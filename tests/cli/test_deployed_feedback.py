@@ -144,3 +144,24 @@ def test_a_peer_prints_its_accuracy_each_round_and_at_the_end(tmp_path) -> None:
     assert f"2 rounds, 0 models sent, 0 received, 0 failed sends; final test accuracy " \
            f"{last[1]}" in loud.stdout
     assert "round " not in quiet.stdout and "final test accuracy" in quiet.stdout
+
+
+def test_versions_made_between_two_polls_each_get_their_line(tmp_path) -> None:
+    # A fast run can make several versions between two of the server's progress polls; the
+    # ones in between are read back from the run's rows, so every version gets its line.
+    import io
+
+    from murmura.progress import Progress
+    from murmura.serve import _show_versions
+    from murmura.server import ServerConfig
+    from murmura.simulation import Simulation, SimulationConfig
+    from murmura.tasks import TaskConfig
+
+    sim = Simulation(TaskConfig(task="synthetic", model="logreg"),
+                     ServerConfig.from_flat(max_versions=3, seed=0),
+                     SimulationConfig(clients=4, out=str(tmp_path / "sim")))
+    sim.run()  # three versions, no poll in between
+    out = io.StringIO()
+    _show_versions(sim.core, Progress(3, stream=out))
+    assert [re.search(r"version (\d)/3", line)[1]  # type: ignore[index]
+            for line in out.getvalue().splitlines()] == ["1", "2", "3"]
