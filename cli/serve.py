@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from murmura.common import configure_logging, task_and_server
 from murmura.config import read_toml
 from murmura.progress import Progress, result_line
+from murmura.server.outputs import read_rows
 
 if TYPE_CHECKING:
     from murmura.server import ServerConfig
@@ -112,7 +113,9 @@ def _show_versions(core: Any, progress: Progress) -> None:
     if version <= shown:
         return
     if version > shown + 1 and core.recorder is not None:
-        for earlier in core.recorder.rows:
+        # read the file, not recorder.rows: that flushes the recorder's file from this thread
+        # while the publisher writes to it (record() flushes each row itself)
+        for earlier in read_rows(core.recorder.metrics_path):
             if shown < int(earlier.get("version", 0)) < version:
                 progress.update(earlier)
     progress.update(row)
