@@ -14,11 +14,23 @@ server evaluates the global model on 2,000 test examples after each round, on bo
 Throughput is client updates per second of a steady-state round (median over rounds after
 the first, whose time includes start-up). Peak memory is the peak of the summed proportional
 set size (PSS) of the benchmark's process tree (Ray's processes included), sampled every
-0.2 s. Run ``python benchmarks/simulation.py [--quick | --smoke]``.
+0.2 s. Run ``python benchmarks/simulation.py [--quick | --smoke] [--device cpu|cuda|auto]``.
+
+The device section (issue 31) runs Murmura alone, vectorised, with ``chunk_size = 0`` (auto):
+the same logistic-regression task at 10,000 and 100,000 clients, and the ``lm`` task (gpt1m,
+first-order, a few windows per client, no central evaluation) at 1,000 and 10,000 clients on
+a GPU and 100 on the CPU, each size in a fresh process, on the CPU and, with ``--device
+cuda`` (or ``auto`` on a machine with CUDA), on the GPU in the same run. Per row: seconds per
+steady round (wall and the process's CPU time), client updates/s, the process tree's peak
+PSS and the peak GPU memory (``torch.cuda.max_memory_allocated``). The GPU targets exist only
+when a CUDA device ran; otherwise the JSON's ``params.gpu_rows`` says why they did not run.
+Flower's rows need ``flwr``; without it they are skipped with a note.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
 import statistics
@@ -37,15 +49,27 @@ from benchmarks._report import Column, Report, parse_args, progress, pyplot  # n
 
 FEATURES, CLASSES, PER_CLIENT, TEST = 64, 10, 50, 2000
 BATCH, LR = 10, 0.05
+#: The device section's language model: gpt1m on the ``lm`` task's windows, LM_WINDOWS per
+#: client (drawn from the training windows, seeded), LM_STEPS local steps of LM_BATCH windows.
+LM_MODEL, LM_WINDOWS, LM_BATCH, LM_STEPS, LM_LR = "gpt1m", 8, 4, 2, 0.05
+#: Host memory a device row may need (trained vectors, deltas and payloads: 3 copies of the
+#: model per client) as a share of this machine's memory; larger rows are skipped, saying so.
+HOST_MEMORY_SHARE = 0.5
 
 # -- the two workers (each runs in its own process) ------------------------------------------
 
 
-def murmura_worker(clients: int, rounds: int) -> dict[str, Any]:
+def murmura_worker(clients: int, rounds: int, device: str = "",
+                   task_name: str = "logreg") -> dict[str, Any]:
+    """One Murmura run; ``device`` set: a device row (``chunk_size = 0``, that device; the
+    ``lm`` task with ``task_name='lm'``), else the Flower comparison's row."""
     from murmura.protocols import TaskSettings
     from murmura.server import ServerConfig
     from murmura.simulation import SimulationConfig, simulate
     from murmura.tasks import TaskConfig
+
+    if task_name == "lm":
+        return lm_worker(clients, rounds, device)
 
     stamps: list[float] = []
     cpu: list[float] = []  # this process's CPU seconds (every thread) at each round's end
@@ -55,6 +79,8 @@ def murmura_worker(clients: int, rounds: int) -> dict[str, Any]:
                                              momentum=0.0))
     with tempfile.TemporaryDirectory() as out:
         sim = SimulationConfig(clients=clients, samples_per_client=PER_CLIENT, out=out)
+        if device:  # a device row: that device, the chunk size sized automatically
+            sim = dataclasses.replace(sim, device=device, chunk_size=0)
         t0, c0 = time.perf_counter(), time.process_time()
 
         def mark(row: dict[str, Any]) -> None:
@@ -64,9 +90,62 @@ def murmura_worker(clients: int, rounds: int) -> dict[str, Any]:
         total = time.perf_counter() - t0
     rounds_s = [b - a for a, b in zip([t0] + stamps, stamps, strict=False)]
     rounds_cpu_s = [b - a for a, b in zip([c0] + cpu, cpu, strict=False)]
+    out_row = {"rounds_s": rounds_s, "rounds_cpu_s": rounds_cpu_s, "total_s": total,
+               "accuracy": result.final_accuracy, "path": result.execution_path,
+               "virtual_s": result.virtual_s}
+    if device:
+        out_row.update(_placement(result.summary["simulation"]))
+    return out_row
+
+
+def lm_worker(clients: int, rounds: int, device: str) -> dict[str, Any]:
+    """A device row of the ``lm`` task: gpt1m, LM_WINDOWS windows per client, vectorised,
+    no central evaluation (the round is the clients' training and the aggregator's work)."""
+    import numpy as np
+
+    from murmura.protocols import TaskSettings
+    from murmura.server import ServerConfig
+    from murmura.simulation import SimulationConfig, simulate
+    from murmura.simulation.data import SimulationData
+    from murmura.tasks import TaskConfig, load_task
+
+    config = TaskConfig(task="lm", model=LM_MODEL, partition="iid")
+    task = load_task(config)
+    rng = np.random.default_rng(0)
+    windows = len(task.train)
+    shares = [np.sort(rng.choice(windows, LM_WINDOWS, replace=False)) for _ in range(clients)]
+    data = SimulationData(task, shares, f"lm windows, {LM_WINDOWS} per client (seeded draw)")
+    server = ServerConfig.from_flat(
+        max_versions=rounds, round_deadline_s=1e9, seed=0,
+        train=TaskSettings(local_epochs=0, local_steps=LM_STEPS, batch_size=LM_BATCH, lr=LM_LR,
+                           momentum=0.0))
+    stamps: list[float] = []
+    cpu: list[float] = []
+    sim = SimulationConfig(clients=clients, device=device, chunk_size=0, out="")
+    t0, c0 = time.perf_counter(), time.process_time()
+
+    def mark(row: dict[str, Any]) -> None:
+        stamps.append(time.perf_counter())
+        cpu.append(time.process_time())
+    result = simulate(config, server, sim, data=data, out_dir=None, evaluate=False,
+                      progress=mark)
+    total = time.perf_counter() - t0
+    rounds_s = [b - a for a, b in zip([t0] + stamps, stamps, strict=False)]
+    rounds_cpu_s = [b - a for a, b in zip([c0] + cpu, cpu, strict=False)]
     return {"rounds_s": rounds_s, "rounds_cpu_s": rounds_cpu_s, "total_s": total,
-            "accuracy": result.final_accuracy, "path": result.execution_path,
-            "virtual_s": result.virtual_s}
+            "accuracy": None, "path": result.execution_path, "virtual_s": result.virtual_s,
+            **_placement(result.summary["simulation"])}
+
+
+def _placement(stats: dict[str, Any]) -> dict[str, Any]:
+    """Where a device row ran: device, chunk size, the executor's description, GPU memory."""
+    import torch
+
+    gpu = stats["device"].startswith("cuda")
+    return {"device": stats["device"], "chunk_size": stats["chunk_size"],
+            "execution": stats["execution"],
+            "gpu_name": torch.cuda.get_device_name() if gpu else None,
+            "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if gpu else None}
 
 
 _FLOWER_DATA: dict[int, Any] = {}
@@ -243,11 +322,18 @@ def steady(rounds_s: list[float]) -> float:
 
 
 def run(argv: list[str] | None = None) -> int:
+    def extra(p: Any) -> None:
+        p.add_argument("--cpus-per-client", type=float, action="append", default=None,
+                       help="Ray CPUs per Flower client (repeatable; the fastest is kept; "
+                            "default: 1, and 0.5 too without --quick)")
+        p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
+                       help="the device section's accelerator: cuda runs its rows on the GPU "
+                            "as well as on the CPU, auto when CUDA is available, cpu (the "
+                            "default) on the CPU only")
+
     args = parse_args("simulation", "Murmura's simulation against Flower's simulation engine",
-                      argv, extra=lambda p: p.add_argument(
-                          "--cpus-per-client", type=float, action="append", default=None,
-                          help="Ray CPUs per Flower client (repeatable; the fastest is kept; "
-                               "default: 1, and 0.5 too without --quick)"))
+                      argv, extra=extra)
+    gpu, gpu_rows = _gpu_plan(args.device)
     quick = args.quick
     cpus = args.cpus_per_client or ([1.0] if quick or args.smoke else [1.0, 0.5])
     # clients: (Murmura rounds, Flower rounds); equal where both run, so accuracies compare
@@ -260,6 +346,10 @@ def run(argv: list[str] | None = None) -> int:
         "task": f"logistic regression, {FEATURES} features, {CLASSES} classes, synthetic IID",
         "examples_per_client": PER_CLIENT, "local_epochs": 1, "batch_size": BATCH, "lr": LR,
         "flower_cpus_per_client": cpus, "rounds": {str(k): v for k, v in plan.items()}})
+    device_rows = _measure_devices(report, args, gpu)  # first: the GPU rows matter most
+    has_flower = importlib.util.find_spec("flwr") is not None
+    if not has_flower:
+        report.note("Flower's rows were not run: flwr is not installed here.")
     rows: list[dict[str, Any]] = []
     for clients, (m_rounds, f_rounds) in plan.items():
         progress(f"Murmura, {clients} clients, {m_rounds} rounds")
@@ -275,7 +365,7 @@ def run(argv: list[str] | None = None) -> int:
         progress(f"  Murmura: {m_round:.3f} s per round ({clients / m_round:,.0f} updates/s), "
                  f"peak {m['peak_mb']:.0f} MB, path {m['path']}")
         best = None
-        for c in cpus if f_rounds else []:
+        for c in cpus if f_rounds and has_flower else []:
             progress(f"Flower, {clients} clients, {f_rounds} rounds, {c} CPU per client")
             f = measure(["flower", str(clients), str(f_rounds), str(c)], timeout_s=1800)
             if "error" in f:
@@ -332,7 +422,160 @@ def run(argv: list[str] | None = None) -> int:
         "peak memory is the summed PSS of each run's process tree (Ray's processes included). "
         "The machine is shared: the load average at start is in the header.")
     _plot(report, rows)
+    _device_section(report, args, gpu, gpu_rows, device_rows)
     return report.finish(save=not args.no_save)
+
+
+# -- the device section (issue 31) -------------------------------------------------------------
+
+
+def _gpu_plan(asked: str) -> tuple[str, str]:
+    """(the GPU device the device section runs on, or "" for none; why not, for the JSON)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        if asked == "cuda":
+            raise SystemExit("--device cuda: CUDA is not available on this machine "
+                             f"(torch {torch.__version__}); use --device cpu or auto")
+        return "", "not run: no CUDA device"
+    if asked == "cpu":
+        return "", "not run: --device cpu"
+    return "cuda", "run"
+
+
+def _device_plan(quick: bool, smoke: bool) -> list[tuple[str, str, int, int]]:
+    """(task, device kind, clients, rounds) of the device section; ``device kind`` is cpu or
+    gpu (run only with a GPU)."""
+    if smoke:
+        return [("logreg", "cpu", 8, 2), ("lm", "cpu", 2, 2),
+                ("logreg", "gpu", 8, 2), ("logreg", "gpu", 16, 2), ("lm", "gpu", 2, 2)]
+    if quick:  # fits a few minutes on a GPU machine: fewer rounds, one lm size per device
+        return [("logreg", kind, n, 3 if n < 100_000 else 2) for kind in ("cpu", "gpu")
+                for n in (10_000, 100_000)] + [("lm", "cpu", 100, 3), ("lm", "gpu", 1_000, 3)]
+    plan = [("logreg", kind, n, 5) for kind in ("cpu", "gpu") for n in (10_000, 100_000)]
+    return plan + [("lm", "cpu", 100, 4), ("lm", "gpu", 1_000, 4), ("lm", "gpu", 10_000, 4)]
+
+
+def _host_bytes_needed(task: str, clients: int) -> int:
+    """What a device row's trained vectors, deltas and payloads take on the host (3 copies
+    of the model per client)."""
+    if task == "logreg":
+        params = (FEATURES + 1) * CLASSES
+    else:
+        from murmura.tasks.lm import gpt_config
+
+        params = gpt_config(LM_MODEL, 79).num_parameters()
+    return 3 * 4 * params * clients
+
+
+def _measure_devices(report: Report, args: Any, gpu: str) -> list[dict[str, Any]]:
+    """The device section's rows, each size in a fresh process; GPU rows first (they are
+    what a short lease on a GPU machine is for)."""
+    host = (report.machine.get("memory_gb") or 0) * 2**30
+    timeout = 300 if args.smoke else 240 if args.quick else 1800
+    rows: list[dict[str, Any]] = []
+    plan = sorted(_device_plan(args.quick, args.smoke), key=lambda p: p[1] != "gpu")
+    for task, kind, clients, rounds in plan:
+        device = gpu if kind == "gpu" else "cpu"
+        if not device:
+            continue
+        label = f"{task}, {clients:,} clients on {device}, {rounds} rounds"
+        need = _host_bytes_needed(task, clients)
+        if host and need > HOST_MEMORY_SHARE * host:
+            report.note(f"Device row skipped: {label} would hold about {need / 2**30:.0f} GiB "
+                        f"of model copies on the host ({host / 2**30:.0f} GiB here).")
+            continue
+        progress(f"device section: {label}")
+        m = measure(["murmura", str(clients), str(rounds), device, task], timeout_s=timeout)
+        if "error" in m:
+            progress(f"  failed: {m['error']}")
+            report.note(f"Device row failed: {label}: {m['error'].splitlines()[0]}")
+            continue
+        m_round = steady(m["rounds_s"])
+        rows.append({"task": task, "device": m["device"], "clients": clients,
+                     "round_s": m_round, "round_cpu_s": steady(m["rounds_cpu_s"]),
+                     "ups": clients / m_round, "peak_mb": m["peak_mb"],
+                     "gpu_peak_mb": m["gpu_peak_mb"], "chunk_size": m["chunk_size"],
+                     "acc": m["accuracy"], "execution": m["execution"],
+                     "rounds_s": m["rounds_s"], "kind": kind})
+        on_gpu = f", GPU peak {m['gpu_peak_mb']:,.0f} MB" if m["gpu_peak_mb"] else ""
+        progress(f"  {m_round:.3f} s per round ({clients / m_round:,.0f} updates/s), CPU "
+                 f"{steady(m['rounds_cpu_s']):.3f} s, chunk {m['chunk_size']}{on_gpu}, "
+                 f"{m['execution']}")
+    order = {(t, k, n): i for i, (t, k, n, _) in enumerate(_device_plan(args.quick,
+                                                                         args.smoke))}
+    return sorted(rows, key=lambda r: order[r["task"], r["kind"], r["clients"]])
+
+
+def _device_section(report: Report, args: Any, gpu: str, gpu_rows: str,
+                    rows: list[dict[str, Any]]) -> None:
+    """The device section's table, targets, notes and plot."""
+    name = None
+    if gpu:
+        import torch
+
+        name = torch.cuda.get_device_name()
+    report.params["device"] = {"asked": args.device, "gpu": gpu or None, "gpu_name": name,
+                               "chunk_size": "auto (0)"}
+    report.params["gpu_rows"] = gpu_rows
+    report.params["lm"] = {"model": LM_MODEL, "windows_per_client": LM_WINDOWS,
+                           "batch_size": LM_BATCH, "local_steps": LM_STEPS, "lr": LM_LR}
+    cols = [Column("task", "task"), Column("device", "device"),
+            Column("clients", "clients", "{:,}"), Column("round_s", "s/round", "{:.3f}"),
+            Column("round_cpu_s", "CPU s/round", "{:.3f}"),
+            Column("ups", "updates/s", "{:,.0f}"), Column("peak_mb", "host peak MB", "{:,.0f}"),
+            Column("gpu_peak_mb", "GPU peak MB", "{:,.0f}"),
+            Column("chunk_size", "chunk", "{:,}"), Column("acc", "acc", "{:.3f}")]
+    report.table("Simulation on each device (Murmura, vectorised, chunk size auto)", cols, rows)
+    if gpu:
+        # the issue's goals: 0.15 s for the smaller logreg size (10,000 clients), 2 s for the
+        # larger (100,000); a row that failed or was skipped leaves its target out
+        sizes = sorted(n for t, k, n, _ in _device_plan(args.quick, args.smoke)
+                       if t == "logreg" and k == "gpu")
+        goals = {sizes[0]: 0.15, sizes[-1]: 2.0}
+        for r in rows:
+            if r["kind"] == "gpu" and r["task"] == "logreg" and r["clients"] in goals:
+                report.target(f"{r['clients']:,}-client round on GPU", r["round_s"], "<=",
+                              goals[r["clients"]], unit="s",
+                              detail=f"{name}, chunk {r['chunk_size']:,}")
+    else:
+        report.note(f"Device section: GPU rows {gpu_rows}; the CPU rows ran, and no GPU "
+                    "target was computed.")
+    report.note(
+        "Device section: Murmura alone, vectorised (`torch.func.vmap`), `chunk_size = 0` "
+        "(auto: from the free GPU memory on CUDA, 1,024 on the CPU), each size in a fresh "
+        "process. logreg: the task above, every client every round, central evaluation "
+        f"after each round. lm: {LM_MODEL} on the `lm` task's character windows, "
+        f"{LM_WINDOWS} windows per client, {LM_STEPS} local steps of {LM_BATCH} windows "
+        f"(lr {LM_LR}), every client every round, no central evaluation. Round time is the "
+        "median of the rounds after the first; CPU s/round is the process's CPU time; host "
+        "peak is the process tree's PSS; GPU peak is `torch.cuda.max_memory_allocated`. "
+        "Only training moves to the GPU: the virtual clock, the aggregator and the codecs "
+        "run on the CPU in every row.", after_tables=True)
+    if rows:
+        _plot_devices(report, rows)
+
+
+def _plot_devices(report: Report, rows: list[dict[str, Any]]) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (task, kind), marker in zip([(t, k) for t in ("logreg", "lm") for k in ("cpu", "gpu")],
+                                    "osD^", strict=True):
+        pts = sorted((r["clients"], r["ups"]) for r in rows
+                     if r["task"] == task and r["kind"] == kind)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker,
+                    label=f"{task} on {kind}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("clients (all sampled every round)")
+    ax.set_ylabel("client updates / s (steady round)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.suptitle("Murmura simulate: CPU and GPU")
+    fig.tight_layout()
+    fig.savefig(report.plot_path("_device"), dpi=100)
+    plt.close(fig)
 
 
 def _plot(report: Report, rows: list[dict[str, Any]]) -> None:
@@ -367,7 +610,7 @@ def _worker(argv: list[str]) -> None:
 
     logging.basicConfig(level=logging.WARNING)
     if kind == "murmura":
-        out = murmura_worker(clients, rounds)
+        out = murmura_worker(clients, rounds, *argv[3:5])
     else:
         out = flower_worker(clients, rounds, float(argv[3]))
     print(json.dumps(out), flush=True)

@@ -7,11 +7,57 @@ when they are online, and how their training executes on this machine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 VECTORISE = ("auto", "on", "off")
 EXECUTORS = ("auto", "vmap", "loop", "pool", "ray")
 DROPOUT = ("silent", "leave")
+#: Where the virtual clients' training runs (``cuda:N`` names one GPU of several).
+DEVICES = ("cpu", "cuda", "cuda:N", "mps", "auto")
+#: ``chunk_size`` on the CPU, and there for ``chunk_size = 0`` (auto).
+CPU_CHUNK = 1024
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?|mps|auto")
+
+
+def check_device(name: str, *, here: bool = True) -> None:
+    """Raise :class:`ValueError` unless ``name`` is a device this machine has.
+
+    ``name`` is one of :data:`DEVICES`; ``cuda``, ``cuda:N`` and ``mps`` must be present
+    (``auto`` and ``cpu`` always are) unless ``here`` is false (a Ray cluster's GPUs, which
+    this machine need not have). Imports torch only for an accelerator.
+    """
+    if not _DEVICE.fullmatch(name):
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {name!r}")
+    if name in ("cpu", "auto") or not here:
+        return
+    import torch
+
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            why = "a CPU-only build" if torch.version.cuda is None else "no GPU seen"
+            raise ValueError(f"device {name!r} was asked for but CUDA is not available on "
+                             f"this machine (torch {torch.__version__}, {why}); use "
+                             f"device='cpu' or 'auto'")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} was asked for but this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s) (cuda:0 .. "
+                             f"cuda:{torch.cuda.device_count() - 1})")
+    elif not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ValueError("device 'mps' was asked for but MPS is not available on this "
+                         "machine; use device='cpu' or 'auto'")
+
+
+def resolve_device(name: str) -> str:
+    """The device a simulation trains on: ``auto`` is ``cuda`` when CUDA is available, else
+    ``cpu``; any other name is checked (:func:`check_device`) and returned as it is."""
+    check_device(name)
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(frozen=True)
@@ -37,6 +83,13 @@ class SimulationConfig:
     ``threads`` pins torch's intra-op threads while the simulation runs (default 1: a
     simulated client's tensors are small, and on a small machine OpenMP's synchronisation
     costs more than a second thread gains, 10-20x more when another process holds a core).
+
+    Device: ``device`` says where training runs: ``cpu`` (the default), ``cuda``/``cuda:N``,
+    ``mps``, or ``auto`` (CUDA when this machine has it, else the CPU). Only the training moves
+    there; the virtual clock, the device model, availability, the aggregator and its policies
+    stay on the CPU. ``chunk_size`` is the vectorised path's clients per batch; ``0`` (auto)
+    sizes it from the free device memory and one client's footprint (1024 on the CPU). The
+    process pool is CPU processes and refuses an accelerator (use the loop or vmap).
     """
 
     clients: int = 100
@@ -64,7 +117,12 @@ class SimulationConfig:
     ray_address: str = ""          # executor ray: a running cluster ("auto", "HOST:6379", ...)
     vectorise: str = "auto"
     workers: int = 0               # pool processes or Ray actors; 0: one per core (Ray: CPU)
-    chunk_size: int = 1024         # clients per vmapped batch
+    chunk_size: int = field(default=CPU_CHUNK, metadata={"help": (
+        "clients per vmapped batch (0: auto, sized from the free device memory on CUDA; "
+        f"{CPU_CHUNK} on the CPU)")})
+    device: str = field(default="cpu", metadata={"help": (
+        "where the clients train: cpu, cuda, cuda:N, mps, or auto (cuda when available, "
+        "else cpu); the virtual clock, availability and the aggregator stay on the CPU")})
     threads: int = 1               # torch threads in this process (0: one per core)
     # data (the task's own data unless one of these is set)
     samples_per_client: int = 0    # synthetic task: generate this many examples per client
@@ -128,8 +186,17 @@ class SimulationConfig:
                              f"'ray://HOST:10001', got {self.ray_address!r}")
         if self.workers < 0 or self.threads < 0:
             raise ValueError("workers and threads must be >= 0")
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.chunk_size < 0:
+            raise ValueError(f"chunk_size must be >= 1, or 0 (auto), got {self.chunk_size}")
+        # a Ray cluster's GPUs need not be on this machine (the driver's)
+        check_device(self.device, here=not (self.executor == "ray" and self.ray_address))
+        if self.executor == "pool" and self.device not in ("cpu", "auto"):
+            raise ValueError(f"executor='pool' runs forked CPU processes and can't share "
+                             f"device={self.device!r}; use executor='loop' or 'vmap' (one "
+                             f"process drives the accelerator)")
+        if self.gossip and self.device not in ("cpu", "auto"):
+            raise ValueError(f"gossip simulations train on the CPU; device={self.device!r} "
+                             f"is not supported with gossip=True")
         if self.samples_per_client < 0:
             raise ValueError(f"samples_per_client must be >= 0, got {self.samples_per_client}")
         if self.partition_by and not self.data_path:
@@ -142,4 +209,5 @@ class SimulationConfig:
             raise ValueError(f"max_time_s must be >= 0, got {self.max_time_s}")
 
 
-__all__ = ["DROPOUT", "EXECUTORS", "VECTORISE", "SimulationConfig"]
+__all__ = ["CPU_CHUNK", "DEVICES", "DROPOUT", "EXECUTORS", "VECTORISE", "SimulationConfig",
+           "check_device", "resolve_device"]

@@ -5,6 +5,13 @@ and returns each client's trained model. The loop and the pool run the deploymen
 :class:`~murmura.client.TorchTrainer` on each client's share of the data, so their updates are
 bit-identical to what a gRPC client computes from the same (parameters, settings, seed). The
 vectorised executor (:mod:`murmura.simulation.vectorised`) trains many clients at once instead.
+
+On an accelerator (``device='cuda'``) the loop builds each trainer on that device, as a
+``murmura client --device cuda`` does (the zeroth-order trainer's fused CUDA kernels included),
+in float32 (``amp='off'``: a client's autocast default on CUDA is bf16; the simulator keeps
+the CPU's arithmetic, so a GPU run's updates match a CPU run's within float32 rounding).
+The pool refuses one: its workers are forked CPU processes, and forked children can't share the
+parent's CUDA context; use the loop (or vmap) there.
 """
 
 from __future__ import annotations
@@ -58,9 +65,13 @@ class JobResult:
 
 
 class Executor(ABC):
-    """Runs batches of jobs. ``path`` names the execution path for logs and summaries."""
+    """Runs batches of jobs. ``path`` names the execution path for logs and summaries,
+    ``device_name`` where the training runs and ``chunk_size`` how many clients one batch
+    on that device trains at once (0: not batched), both for the summary."""
 
     path: str = ""
+    device_name: str = "cpu"
+    chunk_size: int = 0
 
     @abstractmethod
     def run(self, jobs: Sequence[Job], settings: TaskSettings) -> list[JobResult]:
@@ -83,7 +94,11 @@ class LoopExecutor(Executor):
     path = "loop"
 
     def __init__(self, model_factory: ModelFactory, train: ArrayDataset,
-                 shares: Sequence[Index], *, task: Task | None = None) -> None:
+                 shares: Sequence[Index], *, task: Task | None = None,
+                 device: str = "cpu") -> None:
+        from murmura.simulation.config import resolve_device
+
+        self.device_name = resolve_device(device)
         self.model = model_factory()
         self.train = train
         self.shares = shares
@@ -112,13 +127,14 @@ class LoopExecutor(Executor):
             # the client's own seed-based trainer: it returns the step log it would push
             # (and the exact model the server's replay of it gives)
             if self._zo is None:
-                self._zo = ZOTrainer(self.model, data, device="cpu")
+                self._zo = ZOTrainer(self.model, data, device=self.device_name)
             trainer = self._zo
             trainer.data = data
         elif self._loss is not None:
-            trainer = TorchTrainer(self.model, data, device="cpu", loss_fn=self._loss)
+            trainer = TorchTrainer(self.model, data, device=self.device_name,
+                                   loss_fn=self._loss, amp="off")
         else:
-            trainer = TorchTrainer(self.model, data, device="cpu")
+            trainer = TorchTrainer(self.model, data, device=self.device_name, amp="off")
         result = trainer.train(job.params, settings, seed=job.seed)
         assert result.params is not None
         return JobResult(result.params, result.num_examples, dict(result.metrics),
@@ -128,7 +144,8 @@ class LoopExecutor(Executor):
         return [self.run_one(job, settings) for job in jobs]
 
     def describe(self) -> str:
-        return "loop (the client's trainer, one client at a time)"
+        where = "" if self.device_name == "cpu" else f" on {self.device_name}"
+        return f"loop{where} (the client's trainer, one client at a time)"
 
 
 # -- process pool ----------------------------------------------------------------------------
@@ -162,9 +179,13 @@ class PoolExecutor(Executor):
 
     def __init__(self, model_factory: ModelFactory, train: ArrayDataset,
                  shares: Sequence[Index], *, workers: int, threads_per_worker: int = 1,
-                 task: Task | None = None) -> None:
+                 task: Task | None = None, device: str = "cpu") -> None:
         if workers < 2:
             raise ValueError(f"a process pool needs at least 2 workers, got {workers}")
+        if device != "cpu":
+            raise ValueError(f"the process pool runs forked CPU processes and can't train on "
+                             f"device={device!r} (forked children can't share a CUDA "
+                             f"context); use the loop or vmap executor on an accelerator")
         import multiprocessing as mp
 
         self.workers = workers

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from murmura.protocols import TaskSettings
-from murmura.simulation.config import SimulationConfig
+from murmura.simulation.config import SimulationConfig, resolve_device
 from murmura.simulation.data import SimulationData
 from murmura.simulation.devices import (
     AlwaysOn,
@@ -67,41 +67,55 @@ def choose_executor(sim: SimulationConfig, data: SimulationData,
     trainer (its step log or its function is what the client would run); otherwise the
     vectorised path is probed against the plain trainer and used when it agrees, falling back
     to a process pool (several cores) or a loop, unless ``sim.executor`` names one.
+
+    ``sim.device`` (``auto`` resolved here) goes to every executor. On an accelerator the
+    fallbacks are the loop on that device, never the pool (CPU processes); an explicit
+    ``executor='pool'`` with ``device='auto'`` keeps the pool on the CPU.
     """
     factory, train, shares = data.task.model_factory, data.train, data.shares
     workers = sim.workers or default_workers()
+    if sim.executor == "pool":
+        device = "cpu"
+    elif sim.executor == "ray" and sim.ray_address and sim.device != "auto":
+        device = sim.device  # the cluster's GPUs: Ray places the actors on them
+    else:
+        device = resolve_device(sim.device)
+    on_cpu = device == "cpu"
     own_train = has_own_train(data.task)
     if settings.trainer == "zo" or own_train:
         what = "an app's own train() or loss()" if own_train else "the zeroth-order trainer"
         check_own_trainer_path(what, sim.executor, sim.vectorise)
         note = f"{what}: each client's own trainer"
-        if sim.executor == "pool" or (sim.executor != "loop" and workers > 1):
+        if sim.executor == "pool" or (sim.executor != "loop" and workers > 1 and on_cpu):
             return PoolExecutor(factory, train, shares, workers=workers, task=data.task), note
-        return LoopExecutor(factory, train, shares, task=data.task), note
+        return LoopExecutor(factory, train, shares, task=data.task, device=device), note
     if sim.executor in ("loop", "pool", "ray"):
         note = f"executor={sim.executor!r}"
         if sim.executor == "ray":
             return RayExecutor(factory, train, shares, address=sim.ray_address or None,
-                               workers=sim.workers), note
+                               workers=sim.workers, device=device), note
         if sim.executor == "pool":
             return PoolExecutor(factory, train, shares, workers=workers), note
-        return LoopExecutor(factory, train, shares), note
+        return LoopExecutor(factory, train, shares, device=device), note
     if sim.vectorise != "off":
         try:
-            ex = VectorisedExecutor(factory, train, shares, chunk_size=sim.chunk_size)
+            ex = VectorisedExecutor(factory, train, shares, chunk_size=sim.chunk_size,
+                                    device=device)
             return ex, ex.probe(settings)
         except VectorisationError as exc:
             if sim.vectorise == "on" or sim.executor == "vmap":
                 asked = "vectorise='on'" if sim.vectorise == "on" else "executor='vmap'"
                 raise ValueError(f"{asked} but the model can't be vectorised: {exc}") from exc
+            pool = workers > 1 and on_cpu
             log.warning("vectorised training is not possible for this model (%s); falling "
-                        "back to %s", exc, "a process pool" if workers > 1 else "a plain loop")
+                        "back to %s", exc, "a process pool" if pool
+                        else f"a plain loop on {device}")
             note = f"vmap unavailable: {exc}"
     else:
         note = "vectorise='off'"
-    if workers > 1:
+    if workers > 1 and on_cpu:
         return PoolExecutor(factory, train, shares, workers=workers), note
-    return LoopExecutor(factory, train, shares), note
+    return LoopExecutor(factory, train, shares, device=device), note
 
 
 __all__ = ["availability", "choose_executor", "device_population"]

@@ -18,6 +18,10 @@ What travels, and how often:
   per-call overhead of Ray is paid once per group of clients, not once per client; back come
   the trained vectors stacked in one array.
 
+On GPUs (``device='cuda'``) each actor asks Ray for a share of a GPU (:func:`actor_options`:
+the cluster's GPUs over the actors, so ``workers`` actors share them evenly; ``workers=0``
+starts one actor per GPU) and builds its trainers on ``cuda``, the GPU Ray assigned it.
+
 Ray is an optional dependency (``pip install "murmura[ray]"``), imported when an executor is
 built.
 """
@@ -25,7 +29,8 @@ built.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,6 +61,35 @@ TASKS_PER_ACTOR = 4
 Triple = tuple[int, int, int]  # (client, index of its global vector in the task's args, seed)
 
 
+def actor_options(device: str, workers: int, resources: Mapping[str, float], *,
+                  where: str = "the Ray cluster") -> tuple[int, dict[str, float]]:
+    """How many actors to start and the resources each asks Ray for.
+
+    ``resources`` is ``ray.cluster_resources()``. On the CPU: ``workers`` actors (0: one per
+    CPU; never more than the CPUs, or an actor would wait forever), one CPU each. On CUDA:
+    ``workers`` actors (0: one per GPU) sharing the cluster's GPUs evenly, each asking for
+    ``GPUs / actors`` of one (at most a whole one, rounded down to Ray's 1e-4 resolution),
+    and still one CPU.
+    """
+    cpus = int(resources.get("CPU", 0))
+    if cpus < 1:
+        raise ValueError(f"{where} has no CPUs to train on")
+    if device == "cpu":
+        count = workers or cpus
+        if count > cpus:
+            log.warning("workers=%d but %s has %d CPUs: starting %d actors", count, where,
+                        cpus, cpus)
+        return min(count, cpus), {"num_cpus": 1}
+    if not device.startswith("cuda"):
+        raise ValueError(f"Ray actors train on the CPU or on CUDA GPUs, not on {device!r}")
+    gpus = float(resources.get("GPU", 0))
+    if gpus <= 0:
+        raise ValueError(f"device={device!r} but {where} has no GPUs")
+    count = min(workers or max(1, int(gpus)), cpus)
+    share = min(1.0, math.floor(gpus / count * 10_000) / 10_000)
+    return count, {"num_cpus": 1, "num_gpus": share}
+
+
 def import_ray() -> Any:
     """``import ray``, or a :class:`ValueError` that says how to install it."""
     try:
@@ -72,10 +106,12 @@ class _RayWorker:
     """The body of one Ray actor: a :class:`LoopExecutor` over the shared data."""
 
     def __init__(self, shared: tuple[ModelFactory, ArrayDataset, Sequence[Index]],
-                 threads: int) -> None:
+                 threads: int, device: str = "cpu") -> None:
         torch.set_num_threads(threads)
         factory, train, shares = shared
-        self.loop = LoopExecutor(factory, train, shares)
+        # on CUDA, "cuda" is the GPU Ray gave this actor (it sets CUDA_VISIBLE_DEVICES)
+        self.loop = LoopExecutor(factory, train, shares,
+                                 device="cuda" if device.startswith("cuda") else "cpu")
 
     def ready(self) -> bool:
         return True
@@ -100,7 +136,8 @@ class RayExecutor(Executor):
     connection is used and left open. Every node must have the same murmura and torch
     installed as this one.
 
-    ``jobs_per_task`` (0: automatic) is how many clients one Ray task trains.
+    ``jobs_per_task`` (0: automatic) is how many clients one Ray task trains. ``device``
+    ``cuda`` puts the actors' trainers on GPUs (:func:`actor_options`).
     """
 
     path = "ray"
@@ -108,7 +145,7 @@ class RayExecutor(Executor):
     def __init__(self, model_factory: ModelFactory, train: ArrayDataset,
                  shares: Sequence[Index], *, address: str | None = None, workers: int = 0,
                  jobs_per_task: int = 0, threads_per_worker: int = 1,
-                 start_timeout_s: float = 300.0) -> None:
+                 start_timeout_s: float = 300.0, device: str = "cpu") -> None:
         if workers < 0 or jobs_per_task < 0:
             raise ValueError(f"workers and jobs_per_task must be >= 0, got {workers} and "
                              f"{jobs_per_task}")
@@ -116,8 +153,11 @@ class RayExecutor(Executor):
             raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
         if not start_timeout_s > 0:
             raise ValueError(f"start_timeout_s must be positive, got {start_timeout_s}")
+        if device != "cpu" and not device.startswith("cuda"):
+            raise ValueError(f"Ray actors train on the CPU or on CUDA GPUs, not on {device!r}")
         ray = import_ray()
         self._ray = ray
+        self.device_name = device
         self.jobs_per_task = jobs_per_task
         self._owns_ray = False
         self._actors: list[Any] = []
@@ -151,18 +191,13 @@ class RayExecutor(Executor):
     def _start_actors(self, ray: Any, model_factory: ModelFactory, train: ArrayDataset,
                       shares: Sequence[Index], workers: int, threads: int,
                       timeout_s: float) -> None:
-        cpus = int(ray.cluster_resources().get("CPU", 0))
-        if cpus < 1:
-            raise ValueError(f"{self.where} has no CPUs to train on")
-        count = workers or cpus
-        if count > cpus:  # an actor that can't be placed would wait forever
-            log.warning("workers=%d but %s has %d CPUs: starting %d actors", count,
-                        self.where, cpus, cpus)
-            count = cpus
+        count, options = actor_options(self.device_name, workers, ray.cluster_resources(),
+                                       where=self.where)
         shared = ray.put((model_factory, train, list(shares)))  # shipped once, read by all
         # No actor restarts: an actor lost with its node fails the batch (and the run) loudly.
-        actor = ray.remote(num_cpus=1)(_RayWorker)
-        self._actors = [actor.remote(shared, threads) for _ in range(count)]
+        actor = ray.remote(**options)(_RayWorker)
+        self._actors = [actor.remote(shared, threads, self.device_name) for _ in range(count)]
+        self.gpus_per_actor = options.get("num_gpus", 0.0)
         try:
             ray.get([a.ready.remote() for a in self._actors], timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -224,8 +259,10 @@ class RayExecutor(Executor):
         return results
 
     def describe(self) -> str:
+        gpus = getattr(self, "gpus_per_actor", 0.0)
+        on = f", {gpus:g} GPU" if gpus else ""
         return (f"ray ({getattr(self, 'workers', 0)} actors running TorchTrainer, "
-                f"{getattr(self, 'threads', 1)} thread each, on {self.where})")
+                f"{getattr(self, 'threads', 1)} thread{on} each, on {self.where})")
 
     def close(self) -> None:
         """Stop the actors; shut Ray down if this executor started it."""
@@ -241,4 +278,4 @@ class RayExecutor(Executor):
             ray.shutdown()
 
 
-__all__ = ["MISSING_RAY", "RayExecutor", "import_ray"]
+__all__ = ["MISSING_RAY", "RayExecutor", "actor_options", "import_ray"]

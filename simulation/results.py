@@ -48,6 +48,9 @@ class ResultsJob:
             "clients": self.sim.clients,
             "execution_path": self.execution_path,
             "execution": self.executor.describe(),
+            # where training ran, and the clients one batch there trained (0: not batched)
+            "device": getattr(self.executor, "device_name", "cpu"),
+            "chunk_size": getattr(self.executor, "chunk_size", 0),
             "probe": self.probe_note,
             "torch_threads": self.sim.threads or default_workers(),
             "data": self.data.source,

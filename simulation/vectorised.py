@@ -27,10 +27,28 @@ Pitfalls handled here:
 
 A model ``vmap`` can't run (data-dependent control flow, ``.item()``, tied weights...) fails
 the :meth:`VectorisedExecutor.probe`, and the simulation falls back to the loop or the pool.
+
+On an accelerator (``device='cuda'``, ``'mps'``) the same steps run there, with as little
+traffic as possible between host and device:
+
+* **once, at construction**: the training data (every client's examples, ``train.x`` and
+  ``train.y``) is uploaded; every batch is then an ``index_select`` on the device;
+* **once per chunk**: the distinct global vectors the chunk's jobs start from (usually one),
+  the index, mask and activity tensors of the chunk's schedule; stacked parameters, momentum
+  and buffers are built on the device and stay there for all the chunk's steps, whose loop
+  has no host synchronisation;
+* **once per chunk, back**: the trained parameters as one ``(clients, size)`` float32 block
+  (one device-to-host copy, with the per-client losses read in the same synchronisation),
+  handed on as the float32 numpy vectors the rest of the simulator expects.
+
+The schedules (each client's permutations) are drawn on the CPU, as the trainer draws them, so
+a client's batches are the same on every device; results differ from the CPU's by float32
+rounding only (reductions run in another order on a GPU).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -42,6 +60,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from murmura.protocols import ModelSpec, TaskSettings
+from murmura.simulation.config import CPU_CHUNK, resolve_device
 from murmura.simulation.execution import Executor, Index, Job, JobResult, ModelFactory
 from murmura.tasks import ArrayDataset
 
@@ -52,6 +71,12 @@ PerSampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _BATCH_STATS = (nn.modules.batchnorm._BatchNorm,)
 _RANDOM = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
            nn.FeatureAlphaDropout)
+#: ``chunk_size=0`` on CUDA: the share of the free device memory the chunk may fill (the rest
+#: is the allocator's slack, the estimate's error and whatever else runs on the device).
+AUTO_MEMORY_FRACTION = 0.5
+#: ``chunk_size=0`` on CUDA: never more clients per chunk than this (larger chunks only make
+#: the host-side schedule arrays bigger; a GPU is busy long before).
+MAX_AUTO_CHUNK = 1 << 16
 
 
 class VectorisationError(RuntimeError):
@@ -117,33 +142,55 @@ class VectorisedExecutor(Executor):
 
     ``model_factory`` builds the template module (its values are never used, only its
     structure); ``shares[c]`` indexes client ``c``'s examples in ``train``.
+
+    ``device`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``, ``auto``, or a ``torch.device``) is
+    where training runs; ``train`` is uploaded there once, here. ``chunk_size`` is the most
+    clients trained in one vmapped batch; ``0`` sizes it automatically: on CUDA from the free
+    device memory (``memory_fraction`` of it) and one client's footprint
+    (:meth:`client_footprint`) at the first batch size it sees, elsewhere
+    :data:`~murmura.simulation.config.CPU_CHUNK`.
     """
 
     path = "vmap"
 
     def __init__(self, model_factory: ModelFactory, train: ArrayDataset,
-                 shares: Sequence[Index], *, chunk_size: int = 1024,
+                 shares: Sequence[Index], *, chunk_size: int = CPU_CHUNK,
                  loss: PerSampleLoss = _cross_entropy, weight_decay: float = 0.0,
-                 max_grad_norm: float = 0.0) -> None:
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+                 max_grad_norm: float = 0.0, device: str | torch.device = "cpu",
+                 memory_fraction: float = AUTO_MEMORY_FRACTION) -> None:
+        if chunk_size < 0:
+            raise ValueError(f"chunk_size must be >= 1, or 0 (auto), got {chunk_size}")
         if weight_decay < 0 or max_grad_norm < 0:
             raise ValueError("weight_decay and max_grad_norm must be >= 0")
+        if not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction}")
+        self.device = _torch_device(device)
+        self.device_name = str(self.device)
         self.model_factory = model_factory
         self.model = model_factory()
         self.model.train()
         self.spec = ModelSpec.from_module(self.model)
         self.train = train
         self.shares = shares
-        self.chunk_size = chunk_size
+        #: What was asked for (0: auto) and what the chunks are (0 until auto has sized them,
+        #: at the first batch on CUDA).
+        self.requested_chunk = chunk_size
+        self.chunk_size = chunk_size or (0 if self.device.type == "cuda" else CPU_CHUNK)
+        self.memory_fraction = memory_fraction
+        self._auto_chunks: dict[int, int] = {}  # batch size -> clients per chunk
+        self.sizing = self._sized = ""  # how auto chose the chunk size (for describe())
         self.loss = loss
         self.weight_decay = weight_decay
         self.max_grad_norm = max_grad_norm
-        self._x = torch.from_numpy(np.ascontiguousarray(train.x))
-        self._y = torch.from_numpy(np.ascontiguousarray(train.y))
         self.batch_stats = any(isinstance(m, _BATCH_STATS) for m in self.model.modules())
         self.random = any(isinstance(m, _RANDOM) for m in self.model.modules())
         self._layout()
+        # the module functional_call runs: the template itself on the CPU, a copy on the device
+        # elsewhere (buffers it does not take from the stacked state must live there too)
+        self._module = self.model if self.device.type == "cpu" \
+            else copy.deepcopy(self.model).to(self.device)
+        self._x = _upload(train.x, self.device, "x")
+        self._y = _upload(train.y, self.device, "y")
         self._step = vmap(grad_and_value(self._loss), in_dims=(0, 0, 0, 0, 0),
                           randomness="different")
 
@@ -162,19 +209,88 @@ class VectorisedExecutor(Executor):
         self.tensor_spec = {t.name: t for t in self.spec.tensors}
         self.dtypes = {n: v.dtype for n, v in state.items()}
         # state that is not in the flat vector (e.g. BatchNorm's num_batches_tracked)
-        self.local_state = {n: v.detach().clone() for n, v in state.items()
+        self.local_state = {n: v.detach().clone().to(self.device) for n, v in state.items()
                             if n not in self.offsets}
 
     def _loss(self, params: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
               x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = functional_call(self.model, (params, state), (x,))
+        out = functional_call(self._module, (params, state), (x,))
         per = self.loss(out, y)
         return (per * mask).sum() / mask.sum().clamp(min=1.0)
 
     def describe(self) -> str:
         grouped = ", grouped by data size for BatchNorm" if self.batch_stats else ""
-        return (f"vmap (torch.func.vmap over stacked parameters, chunks of up to "
-                f"{self.chunk_size} clients{grouped})")
+        if self.requested_chunk:
+            size = f"up to {self.chunk_size} clients"
+        elif self.chunk_size:
+            size = f"up to {self.chunk_size} clients (auto{self.sizing})"
+        else:
+            size = "sized automatically at the first batch"
+        return (f"vmap on {self.device_name} (torch.func.vmap over stacked parameters, chunks "
+                f"of {size}{grouped})")
+
+    # -- chunk size ----------------------------------------------------------------------
+
+    def chunk_for(self, settings: TaskSettings) -> int:
+        """Clients per vmapped batch for ``settings``: the one asked for, or (auto) the size
+        that fits this device at this batch size (1024 off CUDA)."""
+        if self.requested_chunk or self.device.type != "cuda":
+            return self.chunk_size
+        size = self._auto_chunks.get(settings.batch_size)
+        if size is None:
+            per = self.client_footprint(settings.batch_size)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # plus what torch's caching allocator holds unused (free to it, not to the driver)
+            free += (torch.cuda.memory_reserved(self.device)
+                     - torch.cuda.memory_allocated(self.device))
+            size = max(1, min(MAX_AUTO_CHUNK, int(free * self.memory_fraction) // per))
+            self._auto_chunks[settings.batch_size] = size
+            self.sizing = self._sized = (f": {free / 2**30:.1f} GiB free x "
+                                         f"{self.memory_fraction:g} / {per / 2**20:.2f} MiB "
+                                         f"per client")
+            log.info("vmap on %s: %d clients per chunk%s", self.device_name, size,
+                     self.sizing)
+        self.chunk_size = size
+        return size
+
+    def client_footprint(self, batch_size: int) -> int:
+        """Bytes one client of a chunk holds on the device during a step (an estimate).
+
+        Its parameters and buffers twice (before and after a step), its gradients, momentum
+        and the update's temporaries (three times the trainable parameters), its batch
+        (rows, indices, mask), its row of the result block, and twice the activations one
+        batch saves for the backward pass (measured once with a forward pass of the template
+        on ``batch_size`` rows, counting the tensors autograd saves; twice: vmap's and the
+        backward pass's temporaries).
+        """
+        state = sum(v.numel() * v.element_size()
+                    for v in self.model.state_dict(keep_vars=True).values())
+        trainable = sum(p.numel() * p.element_size()
+                        for n, p in self.model.named_parameters() if n in self.trainable)
+        row = (self._x[0].numel() * self._x.element_size()
+               + self._y[0].numel() * self._y.element_size())
+        batch = batch_size * (row + 8 + 4)  # rows, int64 index, float32 mask
+        return (2 * state + 3 * trainable + batch + 4 * self.spec.size
+                + 2 * self._activation_bytes(batch_size))
+
+    def _activation_bytes(self, batch_size: int) -> int:
+        """Bytes autograd saves for one client's backward pass on ``batch_size`` rows."""
+        n = min(batch_size, len(self._x))
+        module = copy.deepcopy(self._module)  # a copy: the pass moves BatchNorm statistics
+        owned = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        saved: dict[tuple[int, int], int] = {}  # (address, elements) -> bytes
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in owned:  # a parameter is no activation
+                saved[t.data_ptr(), t.numel()] = t.numel() * t.element_size()
+            return t
+
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        x, y = self._x[:n].clone(), self._y[:n].clone()  # rows of their own, as index_select
+        with torch.random.fork_rng(devices=cuda), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            self.loss(module(x), y).mean()
+        return sum(saved.values()) * batch_size // max(n, 1)
 
     # -- running -------------------------------------------------------------------------
 
@@ -184,14 +300,36 @@ class VectorisedExecutor(Executor):
         for k, job in enumerate(jobs):
             key = len(self.shares[job.client]) if self.batch_stats else 0
             groups[key].append(k)
+        size = self.chunk_for(settings) if jobs else self.chunk_size
         for key in sorted(groups):
             members = groups[key]
-            for start in range(0, len(members), self.chunk_size):
-                chunk = members[start:start + self.chunk_size]
-                trained = self._run_chunk([jobs[k] for k in chunk], settings)
+            start = 0
+            while start < len(members):
+                chunk = members[start:start + size]
+                try:
+                    trained = self._run_chunk([jobs[k] for k in chunk], settings)
+                except torch.cuda.OutOfMemoryError:
+                    if self.requested_chunk or len(chunk) == 1:
+                        raise
+                    trained = None  # retried below, once the failed chunk's memory is free
+                if trained is None:
+                    size = self._shrink(settings, len(chunk))
+                    continue
                 for k, r in zip(chunk, trained, strict=True):
                     results[k] = r
+                start += len(chunk)
         return [r for r in results if r is not None]
+
+    def _shrink(self, settings: TaskSettings, failed: int) -> int:
+        """Auto chunk size after a chunk of ``failed`` clients ran out of device memory:
+        half of it, from now on at this batch size."""
+        size = max(1, failed // 2)
+        log.warning("vmap on %s: a chunk of %d clients ran out of memory; retrying with %d",
+                    self.device_name, failed, size)
+        self._auto_chunks[settings.batch_size] = self.chunk_size = size
+        self.sizing = f"{self._sized}; cut to {size} after running out of memory"
+        torch.cuda.empty_cache()
+        return size
 
     def _run_chunk(self, jobs: Sequence[Job], settings: TaskSettings) -> list[JobResult]:
         c = len(jobs)
@@ -224,12 +362,14 @@ class VectorisedExecutor(Executor):
                 idx[i] = self.shares[job.client][safe[i]]
         idx[~valid] = 0
         counts = valid.sum(axis=2)                                   # (c, steps)
-        idx_t = torch.from_numpy(idx)
-        mask_t = torch.from_numpy(valid.astype(np.float32))
-        active_t = torch.from_numpy(counts > 0)
+        active = counts > 0
+        dev = self.device
+        # the schedule goes to the device once per chunk; no step below waits for the host
+        idx_t = _to(torch.from_numpy(idx), dev)
+        mask_t = _to(torch.from_numpy(valid.astype(np.float32)), dev)
+        active_t = _to(torch.from_numpy(active), dev)
 
-        base = torch.from_numpy(np.stack([np.asarray(j.params, dtype=np.float32)
-                                          for j in jobs]))
+        base = self._stack_params(jobs)
         params: dict[str, torch.Tensor] = {}
         state: dict[str, torch.Tensor] = {}
         for name, off in self.offsets.items():
@@ -240,7 +380,9 @@ class VectorisedExecutor(Executor):
             state[name] = value.unsqueeze(0).expand(c, *value.shape).clone()
         momentum = settings.momentum
         bufs: dict[str, torch.Tensor] = {}
-        loss_sum = torch.zeros(c, dtype=torch.float64)
+        # MPS has no float64; elsewhere the losses add up in float64, as the trainer's do
+        loss_sum = torch.zeros(c, dtype=torch.float32 if dev.type == "mps" else torch.float64,
+                               device=dev)
         torch.manual_seed(_chunk_seed(jobs))  # dropout masks: reproducible for this batch
         for s in range(steps):
             w = int(counts[:, s].max())
@@ -251,7 +393,7 @@ class VectorisedExecutor(Executor):
             yb = torch.index_select(self._y, 0, flat).view(c, w, *self._y.shape[1:])
             mb = mask_t[:, s, :w]
             act = active_t[:, s]
-            partial = not bool(act.all())
+            partial = not bool(active[:, s].all())  # from the host copy: no device sync
             before = {n: v.clone() for n, v in state.items()} if partial else {}
             grads, loss = self._step(params, state, xb, yb, mb)
             if self.max_grad_norm:
@@ -270,18 +412,55 @@ class VectorisedExecutor(Executor):
                     else p.add(g, alpha=-settings.lr)
             for name, old in before.items():
                 state[name] = _where(act, state[name], old)
-            loss_sum += torch.where(act, loss.detach().double() * mb.sum(1).double(), 0.0)
-        out = np.empty((c, self.spec.size), dtype=np.float32)
-        for name, off in self.offsets.items():
-            value = params[name] if name in params else state[name]
-            out[:, off:off + self.tensor_spec[name].numel] = \
-                value.detach().reshape(c, -1).to(torch.float32).numpy()
+            loss_sum += torch.where(act, loss.detach().to(loss_sum.dtype)
+                                    * mb.sum(1).to(loss_sum.dtype), 0.0)
+        out, losses = self._read_back(params, state, loss_sum, c)
         seen = np.maximum(valid.sum(axis=(1, 2)), 1).tolist()
-        losses = loss_sum.numpy().tolist()
-        active_steps = counts.astype(bool).sum(axis=1).tolist()
+        active_steps = active.sum(axis=1).tolist()
         return [JobResult(out[i], sizes[i], {"train_loss": losses[i] / seen[i],
                                              "steps": float(active_steps[i])})
                 for i in range(c)]
+
+    def _stack_params(self, jobs: Sequence[Job]) -> torch.Tensor:
+        """The jobs' start vectors as a ``(clients, size)`` float32 tensor on the device.
+
+        Jobs of one batch mostly start from the same global vector: each distinct vector is
+        copied (and uploaded) once, then repeated on the device."""
+        keys: dict[int, int] = {}
+        vectors: list[npt.NDArray[np.float32]] = []
+        which: list[int] = []
+        for job in jobs:
+            k = keys.get(id(job.params))
+            if k is None:
+                k = keys[id(job.params)] = len(vectors)
+                vectors.append(np.asarray(job.params, dtype=np.float32))
+            which.append(k)
+        distinct = _to(torch.from_numpy(np.stack(vectors)), self.device)
+        if len(vectors) == len(jobs):
+            return distinct
+        return distinct.index_select(0, _to(torch.tensor(which), self.device))
+
+    def _read_back(self, params: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
+                   loss_sum: torch.Tensor, c: int) -> tuple[npt.NDArray[np.float32],
+                                                        list[float]]:
+        """The trained ``(clients, size)`` float32 block and each client's loss sum, on the
+        host: on an accelerator, one device-to-host copy of the block and one
+        synchronisation."""
+        def value(name: str) -> torch.Tensor:
+            v = params[name] if name in params else state[name]
+            return v.detach().reshape(c, -1).to(torch.float32)
+
+        if self.device.type == "cpu":
+            out = np.empty((c, self.spec.size), dtype=np.float32)
+            for name, off in self.offsets.items():
+                out[:, off:off + self.tensor_spec[name].numel] = value(name).numpy()
+            return out, loss_sum.numpy().tolist()
+        cuda = self.device.type == "cuda"
+        block = torch.cat([value(name) for name in self.offsets], dim=1)  # the spec's order
+        host_loss = torch.empty(c, dtype=loss_sum.dtype, pin_memory=cuda)
+        host_loss.copy_(loss_sum, non_blocking=cuda)
+        out = block.cpu().numpy()  # waits for the stream: the losses' copy has landed too
+        return out, host_loss.tolist()
 
     # -- checking ------------------------------------------------------------------------
 
@@ -312,6 +491,31 @@ class VectorisedExecutor(Executor):
                 raise VectorisationError(f"vmap result differs from the trainer by {err:.2e} "
                                          f"(relative), more than {tolerance:.0e}")
         return "probe matched the trainer"
+
+
+def _torch_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, checked (:func:`resolve_device`); bare ``cuda`` gets
+    its index, so that logs and summaries name the GPU."""
+    dev = torch.device(resolve_device(device) if isinstance(device, str) else device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if device.type == "cpu" else t.to(device, non_blocking=device.type == "cuda")
+
+
+def _upload(array: npt.NDArray[np.generic], device: torch.device, what: str) -> torch.Tensor:
+    """The training data's ``what`` as a tensor on ``device`` (once per executor)."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":
+        return host
+    try:
+        return host.to(device)
+    except torch.cuda.OutOfMemoryError:
+        raise ValueError(f"the training data's {what} ({host.nbytes / 2**30:.2f} GiB) does not "
+                         f"fit in the free memory of {device}; use device='cpu'") from None
 
 
 def _where(active: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
