@@ -1,14 +1,15 @@
-"""Datasets that ship offline: scikit-learn's bundled digits and seeded synthetic data."""
+"""Datasets that ship offline: the bundled digits (``digits.npz``) and seeded synthetic data."""
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
 from dataclasses import dataclass
-from pathlib import Path
+from importlib import resources
 
 import numpy as np
 import numpy.typing as npt
+
+#: The bundled digits, package data of ``murmura.tasks`` (written by ``_make_digits.py``).
+DIGITS_FILE = "digits.npz"
 
 
 @dataclass(frozen=True)
@@ -50,27 +51,24 @@ def train_test_split(data: ArrayDataset, *, test_fraction: float, seed: int
 
 
 def load_digits(*, seed: int = 0, test_fraction: float = 0.2) -> tuple[ArrayDataset, ArrayDataset]:
-    """The 1,797 8x8 digit images bundled with scikit-learn, scaled to [0, 1]."""
-    data = _read_digits_csv(_bundled_digits_path())
-    return train_test_split(data, test_fraction=test_fraction, seed=seed)
+    """The 1,797 8x8 digit images that ship with the package, scaled to [0, 1].
+
+    They are scikit-learn's copy of the UCI handwritten digits (``tasks/DIGITS.md`` says where
+    they come from and their licence), stored as ``digits.npz`` and read with numpy: loading
+    them imports no scikit-learn.
+    """
+    return train_test_split(bundled_digits(), test_fraction=test_fraction, seed=seed)
 
 
-def _bundled_digits_path() -> Path:
-    # Locate scikit-learn's data file without importing scikit-learn (over a second per
-    # process, which adds up when a machine starts many clients).
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("the digits task needs scikit-learn installed (its bundled data)")
-    return Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
-
-
-def _read_digits_csv(path: Path) -> ArrayDataset:
-    """Rows of 64 pixel values (0..16) followed by the label."""
-    with gzip.open(path, "rt") as f:
-        table = np.loadtxt(f, delimiter=",", dtype=np.float32)
-    if table.ndim != 2 or table.shape[1] != 65:
-        raise ValueError(f"{path}: expected 65 columns per row, got {table.shape}")
-    return ArrayDataset(table[:, :64] / 16.0, table[:, 64].astype(np.int64))
+def bundled_digits() -> ArrayDataset:
+    """All 1,797 bundled digits: 64 pixel values in [0, 1] (counts 0..16 over 16) per row."""
+    with resources.as_file(resources.files("murmura.tasks") / DIGITS_FILE) as path, \
+            np.load(path) as archive:
+        pixels, target = archive["pixels"], archive["target"]
+    if pixels.shape != (1797, 64) or target.shape != (1797,):
+        raise ValueError(f"{DIGITS_FILE}: expected 1797 x 64 pixels and 1797 labels, got "
+                         f"{pixels.shape} and {target.shape}")
+    return ArrayDataset(pixels.astype(np.float32) / np.float32(16.0), target.astype(np.int64))
 
 
 def make_synthetic(*, num_examples: int, num_features: int = 64, num_classes: int = 10,

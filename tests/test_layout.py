@@ -113,7 +113,7 @@ def test_committed_stubs_match_proto(tmp_path: Path) -> None:
 
 
 def test_stub_drift_check_notices_a_changed_proto(tmp_path: Path, monkeypatch) -> None:
-    pytest.importorskip("grpc_tools")
+    pytest.importorskip("grpc_tools", reason="grpcio-tools (dev extra) regenerates the stubs")
     from murmura.protocols import _codegen
 
     edited = tmp_path / "murmura.proto"

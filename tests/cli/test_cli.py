@@ -127,7 +127,7 @@ def test_murmura_run_gossip_modest_writes_the_rounds_aggregates(tmp_path) -> Non
 ])
 def test_server_logs_its_bound_port_and_stops_cleanly_on_sigterm(tmp_path, backend) -> None:
     if backend == "ray":
-        pytest.importorskip("ray")
+        pytest.importorskip("ray", reason="Ray is an extra: pip install -e \".[ray]\" (in dev)")
     out = tmp_path / "srv"
     proc = subprocess.Popen(
         [sys.executable, "-m", "murmura", "server", "--address", "127.0.0.1:0", "--out",

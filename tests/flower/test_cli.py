@@ -3,6 +3,7 @@ and one-line errors for values that cannot be a Flower client."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,6 +17,10 @@ from murmura.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "flower_client.py"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+# examples/flower_client.py, which these tests run, reads scikit-learn's digits (dev extra).
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
+                                reason="examples/flower_client.py needs scikit-learn")
 
 
 def _murmura(*args: str, env: dict[str, str] | None = None,

@@ -3,6 +3,7 @@ server over gRPC on loopback."""
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,10 @@ from murmura.server.flower import flower_core
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = f"{ROOT / 'examples' / 'flower_client.py'}:client_fn"
+
+# examples/flower_client.py, which these tests run, reads scikit-learn's digits (dev extra).
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
+                                reason="examples/flower_client.py needs scikit-learn")
 
 
 class Recording(NumPyClient):

@@ -269,7 +269,7 @@ def test_a_worker_killed_mid_decode_is_replaced_and_the_update_counted_once(serv
 @pytest.mark.slow
 def test_the_ray_backend_decodes_like_the_in_process_path(serve) -> None:
     """``--backend ray`` on a local Ray the server starts (and stops with itself)."""
-    pytest.importorskip("ray")
+    pytest.importorskip("ray", reason="Ray is an extra: pip install -e \".[ray]\" (in dev)")
     inline = run_sync(serve, workers=0, codec="int8", clients=3, versions=2)
     cfg = ServerConfig.from_flat(min_clients=3, max_versions=2, backend="ray",
                                  require_identity=False, train=TaskSettings(codec="int8"))

@@ -329,7 +329,7 @@ def test_a_client_too_slow_for_the_open_group_founds_one_aligned_with_its_next_a
 
 
 @pytest.mark.parametrize(("rule", "step_updates", "expected"), [
-    ("sqrt", 0, 1.0),               # N = buffer_size 5 > 2 updates: the mean
+    ("sqrt", 0, 1.0),               # N = buffer_size 10 > 2 updates: the mean
     ("sqrt", 1, math.sqrt(2.0)),    # sqrt(2 / 1) times the mean
     ("sqrt", 4, 1.0),
     ("mean", 1, 1.0),
@@ -374,7 +374,8 @@ def test_version_step_refuses_nonsense() -> None:
         version_step(0, "sqrt", 5)
     with pytest.raises(ValueError, match="compass_step must be one of"):
         ServerConfig.from_flat(mode="compass", compass_max_steps=4, compass_step="cube")
-    assert ServerConfig.from_flat(mode="compass", compass_max_steps=4).policy.compass_reference == 5
+    default = ServerConfig.from_flat(mode="compass", compass_max_steps=4)
+    assert default.policy.compass_reference == default.policy.buffer_size == 10
     assert ServerConfig.from_flat(mode="compass", compass_max_steps=4, buffer_size=10,
                                   compass_step_updates=3).policy.compass_reference == 3
 

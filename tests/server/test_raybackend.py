@@ -32,7 +32,7 @@ def test_without_ray_the_backend_says_how_to_install_it(monkeypatch) -> None:
 @pytest.fixture(scope="module")
 def ray_backend() -> Iterator[Any]:
     """One local Ray for the module (starting it takes seconds), shut down at teardown."""
-    pytest.importorskip("ray")
+    pytest.importorskip("ray", reason="Ray is an extra: pip install -e \".[ray]\" (in dev)")
     from murmura.server.raybackend import RayBackend
 
     backend = RayBackend(num_cpus=1, object_store_memory=100 << 20,

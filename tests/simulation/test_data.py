@@ -47,8 +47,9 @@ def test_synthetic_data_scales_with_the_number_of_clients() -> None:
 
 
 def _tiny_femnist(n: int = 120, writers: int = 6):
-    datasets = pytest.importorskip("datasets")
-    pytest.importorskip("flwr_datasets")
+    datasets = pytest.importorskip("datasets", reason="flwr-datasets is an extra: "
+                                   "pip install -e \".[data]\" (in dev)")
+    pytest.importorskip("flwr_datasets", reason="flwr-datasets is an extra (data, in dev)")
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 4, size=n)
     images = (rng.random((n, 28, 28)) * 60 + labels[:, None, None] * 40).astype(np.uint8)

@@ -30,7 +30,7 @@ SETTINGS = TaskSettings(local_epochs=1, batch_size=16, lr=0.1, momentum=0.9)
 @pytest.mark.slow
 def test_a_ray_simulation_reaches_the_loops_model_and_stops_its_own_ray(tmp_path: Path) -> None:
     # Prepare: sync rounds fold updates in client-id order, so arrival order cannot matter
-    ray = pytest.importorskip("ray")
+    ray = pytest.importorskip("ray", reason="Ray is an extra: pip install -e \".[ray]\" (in dev)")
     assert not ray.is_initialized(), "this test starts its own Ray; run it before the others"
     server = ServerConfig.from_flat(max_versions=2, seed=7, train=TaskSettings(local_epochs=1))
 
@@ -53,7 +53,7 @@ def test_a_ray_simulation_reaches_the_loops_model_and_stops_its_own_ray(tmp_path
 def local_ray():
     """A local Ray with 2 CPUs for the tests below, shut down after them (defined after the
     test above, which starts its own Ray and must find none running)."""
-    ray = pytest.importorskip("ray")
+    ray = pytest.importorskip("ray", reason="Ray is an extra: pip install -e \".[ray]\" (in dev)")
     assert not ray.is_initialized(), "a previous test left Ray running"
     with warnings.catch_warnings():  # ray.init's tips about future defaults
         warnings.simplefilter("ignore", FutureWarning)
