@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("murmura")
 
 __all__ = ["ERROR_PREFIX", "ClientLauncher", "FlowerApp", "TaskLines", "add_flower_arguments",
-           "cmd_client", "cmd_launch", "error_line", "run_client", "run_identity"]
+           "cmd_client", "cmd_launch", "error_line", "flower_given", "flower_server_settings",
+           "run_client", "run_identity"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,33 @@ def add_flower_arguments(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--run-config", default=None, metavar="'K=V ...'",
                    help="with --flower-app: override the app's run config (its pyproject's "
                    "[tool.flwr.app.config]), as flwr run --run-config does")
+
+
+def flower_given(args: Any, toml: dict[str, Any]) -> set[str]:
+    """The cohort settings the user set (``--cohort-fraction``/``--cohort-size``, or in the
+    config file's ``[server]`` table): a Flower app's ``fraction-train`` does not replace
+    them. Completes ``murmura.server.flower.given_keys``."""
+    server = toml.get("server", {}) or {}
+    policy = server.get("policy", {}) or {}
+    return {k for k in ("cohort_fraction", "cohort_size")
+            if getattr(args, k, None) is not None or k in server or k in policy}
+
+
+def flower_server_settings(server: Any, ref: str, run_config: str | None,
+                           given: set[str]) -> Any:
+    """``server`` with what the Flower app's ServerApp settings map to (``fraction-train``
+    -> ``cohort_fraction`` in sync mode), logging the one-line notice of what is applied and
+    what is ignored (client/flower_app.py ``server_app_settings``). Reads the app's
+    pyproject only: the app itself is loaded afterwards, by ``flower_core``."""
+    from murmura.client.flower_app import server_app_settings
+    from murmura.client.flower_load import app_run_config
+
+    mapped = server_app_settings(app_run_config(ref, run_config), mode=server.mode,
+                                 given=given)
+    if mapped.notice:
+        log.log(logging.WARNING if "ignored" in mapped.notice else logging.INFO, "%s",
+                mapped.notice)
+    return server.replace(**mapped.settings) if mapped.settings else server
 
 
 #: How a client's last line starts when it fails (`murmura client` prints it, and so does a

@@ -25,7 +25,9 @@ The app's ``pyproject.toml`` (found next to or above its module) gives ``context
 app) takes its initial model from the app's ``ServerApp``, as under ``flwr run``.
 
 Only floating-point arrays are federated; integer arrays (say a BatchNorm
-``num_batches_tracked``) stay local, as for Murmura's own torch models.
+``num_batches_tracked``) stay local, as for Murmura's own torch models. A client that
+overrides ``get_properties`` is asked for its properties once (:meth:`FlowerTrainer.query`),
+and one that overrides ``evaluate`` evaluates the global model with ``client_eval_every``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import numpy.typing as npt
 from murmura.client.flower_app import (
     FlowerAppError,
 )
+from murmura.client.flower_message import QUERY_CONFIG, Scalar
 from murmura.client.trainer import Trainer, TrainResult
 from murmura.protocols import FlatVector, ModelSpec, TaskSettings
 from murmura.protocols.spec import TensorSpec
@@ -128,8 +131,14 @@ class _Driver:
                                                                       dict[str, Any]]:
         raise NotImplementedError
 
-    def evaluate(self, arrays: NDArrays, config: dict[str, Any]) -> dict[str, float] | None:
-        """``{"loss": ..., **metrics}``, or None when the client does not evaluate."""
+    def evaluate(self, arrays: NDArrays, config: dict[str, Any]
+                 ) -> tuple[int, dict[str, float]] | None:
+        """(num_examples, ``{"loss": ..., **metrics}``), or None when the client does not
+        evaluate."""
+        return None
+
+    def query(self) -> dict[str, Scalar] | None:
+        """The client's properties (Flower's ``get_properties``), or None without them."""
         return None
 
 
@@ -149,13 +158,27 @@ class _NumPyDriver(_Driver):
         params, n, metrics = reply
         return list(params), int(n), dict(metrics or {})
 
-    def evaluate(self, arrays: NDArrays, config: dict[str, Any]) -> dict[str, float] | None:
+    def evaluate(self, arrays: NDArrays, config: dict[str, Any]
+                 ) -> tuple[int, dict[str, float]] | None:
         from flwr.client import NumPyClient
 
         if type(self.client).evaluate is NumPyClient.evaluate:  # not overridden
             return None
-        loss, _, metrics = self.client.evaluate(arrays, config)
-        return {"loss": float(loss), **_numeric(metrics)}
+        loss, n, metrics = self.client.evaluate(arrays, config)
+        return int(n), {"loss": float(loss), **_numeric(metrics)}
+
+    def query(self) -> dict[str, Scalar] | None:
+        from flwr.client import NumPyClient
+
+        if type(self.client).get_properties is NumPyClient.get_properties:  # not overridden
+            return None
+        try:
+            props = self.client.get_properties(dict(QUERY_CONFIG))
+        except Exception as exc:
+            raise FlowerAppError(f"the NumPyClient's get_properties failed: "
+                                 f"{type(exc).__name__}: {str(exc)[:80]}") from exc
+        return {str(k): v for k, v in dict(props or {}).items()
+                if isinstance(v, bool | int | float | str)}
 
 
 class _ClientAppDriver(_Driver):
@@ -200,6 +223,21 @@ class _ClientAppDriver(_Driver):
         res = recorddict_to_getparametersres(content, keep_input=False)
         return list(parameters_to_ndarrays(res.parameters))
 
+    def query(self) -> dict[str, Scalar] | None:
+        from flwr.common import Code, GetPropertiesIns
+        from flwr.compat.common.recorddict_compat import (
+            getpropertiesins_to_recorddict,
+            recorddict_to_getpropertiesres,
+        )
+
+        content = self._send(getpropertiesins_to_recorddict(
+            GetPropertiesIns(config=dict(QUERY_CONFIG))), "get_properties")
+        res = recorddict_to_getpropertiesres(content)
+        if res.status.code != Code.OK:  # the client does not implement get_properties
+            return None
+        return {str(k): v for k, v in dict(res.properties).items()
+                if isinstance(v, bool | int | float | str)}
+
     def fit(self, arrays: NDArrays, config: dict[str, Any]) -> tuple[NDArrays, int,
                                                                       dict[str, Any]]:
         from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
@@ -223,6 +261,7 @@ class FlowerTrainer(Trainer):
         self._template = template if template is not None else driver.get_parameters()
         self.spec = spec_from_arrays(self._template)
         self._version: int | None = None
+        self._last_eval: int | None = None
         #: Server settings the app's own config suggests (see :func:`app_defaults`).
         self.app_defaults: dict[str, Any] = {}
         #: The run config the app was given (its pyproject's, with overrides).
@@ -243,10 +282,28 @@ class FlowerTrainer(Trainer):
     def on_pull(self, version: int) -> None:
         self._version = version
 
+    def query(self) -> dict[str, Scalar] | None:
+        """The client's properties from its ``get_properties`` (a ``NumPyClient``, or a
+        ``ClientApp(client_fn=...)`` sent a ``get_properties`` message), or None when it does
+        not implement it."""
+        return self.driver.query()
+
     def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
         arrays = unflatten_arrays(self.spec, params, self._template)
-        new, n, metrics = self.driver.fit(arrays, settings_config(settings, seed,
-                                                                   self._version))
+        config = settings_config(settings, seed, self._version)
+        report: dict[str, float] = {}
+        every, version = settings.client_eval_every, self._version or 0
+        if every and (self._last_eval is None or version // every > self._last_eval // every):
+            # evaluation on the client (--client-eval-every): the global model, before
+            # training, as the eval_* metrics the server folds (server/client_eval.py)
+            evaluated = self.driver.evaluate(arrays, config)
+            if evaluated is not None:
+                ne, figures = evaluated
+                report = {"eval_version": float(version), "eval_examples": float(max(ne, 1)),
+                          **{k if k.startswith("eval_") else f"eval_{k}": v
+                             for k, v in figures.items()}}
+            self._last_eval = version
+        new, n, metrics = self.driver.fit(arrays, config)
         if len(new) != len(self._template):
             raise FlowerAppError(f"the Flower client returned {len(new)} arrays; expected "
                                  f"{len(self._template)}")
@@ -256,7 +313,7 @@ class FlowerTrainer(Trainer):
         # integer arrays stay local: keep what the client has now
         self._template = [b if f"p{i:03d}" not in self._names else a
                           for i, (a, b) in enumerate(zip(self._template, new, strict=True))]
-        return TrainResult(flatten_arrays(self.spec, new), n, _numeric(metrics))
+        return TrainResult(flatten_arrays(self.spec, new), n, {**_numeric(metrics), **report})
 
     def evaluator(self) -> Any:
         """A server-side evaluator (flat vector -> metrics) from the client's ``evaluate``,
@@ -267,7 +324,7 @@ class FlowerTrainer(Trainer):
 
         def run(params: FlatVector) -> dict[str, float]:
             out = self.driver.evaluate(unflatten_arrays(self.spec, params, self._template), {})
-            return dict(out or {})
+            return dict(out[1]) if out is not None else {}
         return run
 
     @property

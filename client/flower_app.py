@@ -11,6 +11,11 @@ builds the initial arrays and hands them to ``strategy.start(initial_arrays=...)
 :func:`probe_server_app` runs the app's ``ServerApp`` against a grid that answers nothing and
 captures the first training message it sends: the initial ``ArrayRecord`` and the train
 ``ConfigRecord`` (say ``{"lr": 0.01}``). The ``ServerApp`` is stopped there, before any round.
+
+The ``ServerApp``'s own loop never runs (Murmura's aggregator replaces it), so the strategy
+settings in its run config are mapped by :func:`server_app_settings`: ``fraction-train`` is the
+sync cohort fraction; the other strategy keys Murmura knows are named in a one-line notice
+with the flag to use instead.
 """
 
 from __future__ import annotations
@@ -169,6 +174,82 @@ def import_ref(ref: str, root: Path | None = None) -> Any:
     return obj
 
 
+# -- the ServerApp's own settings -----------------------------------------------------------
+
+#: Run-config keys a ServerApp's strategy reads (Flower's templates and examples name them so)
+#: that Murmura has no setting for: each with what to use instead. Murmura's aggregator runs
+#: in place of the ServerApp's loop, so nothing reads them.
+_IGNORED_SERVER_KEYS: dict[str, str] = {
+    "fraction-evaluate": "the server evaluates every version with the app's evaluate "
+                         "handler; --client-eval-every N has the clients evaluate too",
+    "min-train-nodes": "--min-clients",
+    "min-fit-clients": "--min-clients",
+    "min-available-nodes": "--min-clients",
+    "min-available-clients": "--min-clients",
+    "min-evaluate-nodes": "--client-eval-every",
+    "min-evaluate-clients": "--client-eval-every",
+}
+#: Run-config keys for the share of nodes a round trains (FedAvg's ``fraction_train``; older
+#: apps call it ``fraction-fit``): Murmura's ``cohort_fraction`` in sync mode.
+_FRACTION_KEYS = ("fraction-train", "fraction-fit")
+
+
+@dataclass(frozen=True)
+class ServerAppSettings:
+    """What a Flower app's run config says about the server loop, in Murmura's terms."""
+
+    #: Murmura server settings by flat key (``cohort_fraction``), for the caller to apply.
+    settings: dict[str, Any]
+    #: One line saying which of the ServerApp's settings apply and which are ignored (with the
+    #: flag to use instead); empty when the config has none of them.
+    notice: str
+
+
+def server_app_settings(config: dict[str, Any], *, mode: str, given: Iterable[str] = ()
+                        ) -> ServerAppSettings:
+    """Map the strategy settings in an app's run config to Murmura's server settings.
+
+    ``num-server-rounds``, ``lr`` and ``local-epochs`` are mapped by
+    :func:`~murmura.client.flower_load.app_defaults`. This adds ``fraction-train`` (or
+    ``fraction-fit``): in ``sync`` mode each round's cohort is that share of the joined
+    clients (``cohort_fraction``), as Flower's FedAvg samples ``fraction_train`` of the nodes;
+    other modes have no cohorts, so it is ignored there. A setting the user gave (``given``
+    holds ``cohort_fraction`` or ``cohort_size``) is kept. The other strategy keys Murmura
+    knows (``fraction-evaluate``, ``min-*-nodes``...) are reported as ignored with the flag to
+    use; keys it does not know are the app's own and are left alone.
+    """
+    taken = set(given)
+    settings: dict[str, Any] = {}
+    used: list[str] = []
+    ignored: list[str] = []
+    for key in _FRACTION_KEYS:
+        if key not in config:
+            continue
+        value = config[key]
+        shown = f"{key}={value!r}"
+        if not (isinstance(value, int | float) and not isinstance(value, bool)
+                and 0 < value <= 1):
+            ignored.append(f"{shown} (not a share in (0, 1]; --cohort-fraction)")
+        elif mode != "sync":
+            ignored.append(f"{shown} (mode {mode} has no rounds to sample: every joined "
+                           f"client trains; --buffer-size sets the updates per version)")
+        elif taken & {"cohort_fraction", "cohort_size"}:
+            ignored.append(f"{shown} (--cohort-fraction/--cohort-size given)")
+        elif "cohort_fraction" not in settings:
+            settings["cohort_fraction"] = float(value)
+            used.append(f"{shown} -> --cohort-fraction {float(value):g}")
+    for key, instead in _IGNORED_SERVER_KEYS.items():
+        if key in config:
+            ignored.append(f"{key}={config[key]!r} ({instead})")
+    parts = []
+    if used:
+        parts.append("applied " + ", ".join(used))
+    if ignored:
+        parts.append("ignored, as Murmura runs its own server loop: " + "; ".join(ignored))
+    notice = ("the Flower app's ServerApp settings: " + "; ".join(parts)) if parts else ""
+    return ServerAppSettings(settings, notice)
+
+
 # -- the ServerApp's initial arrays ----------------------------------------------------------
 
 class _Captured(Exception):
@@ -315,6 +396,6 @@ def _probe(project: FlowerProject, server_app: Any, config: dict[str, Any], seed
     return ServerAppStart(arrays[0], train_config)
 
 
-__all__ = ["FlowerAppError", "FlowerProject", "ServerAppStart", "find_project", "import_ref",
-           "on_path", "parse_run_config", "probe_server_app", "read_project", "require_flwr",
-           "run_config"]
+__all__ = ["FlowerAppError", "FlowerProject", "ServerAppSettings", "ServerAppStart",
+           "find_project", "import_ref", "on_path", "parse_run_config", "probe_server_app",
+           "read_project", "require_flwr", "run_config", "server_app_settings"]

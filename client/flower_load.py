@@ -7,6 +7,10 @@ config), and wraps what it finds in the matching trainer of :mod:`murmura.client
 (NumPyClient, ``client_fn``, legacy ``ClientApp``) or :mod:`murmura.client.flower_message`
 (Message-API ``ClientApp``). A client with no initial model takes it from the app's
 ``ServerApp`` (:func:`~murmura.client.flower_app.probe_server_app`).
+
+``murmura client --flower-app`` asks the app once for its properties (its ``@app.query()``
+handler, or a NumPyClient's ``get_properties``: :func:`query_properties`), logs them, and
+sends them in its Join's device profile as ``flwr.<name>`` entries (:func:`profile_extra`).
 """
 
 from __future__ import annotations
@@ -221,6 +225,72 @@ def load_flower_client(ref: str, *, client_index: int = 0, num_clients: int = 1,
     return trainer
 
 
+def app_project(ref: str) -> FlowerProject:
+    """The ``pyproject.toml`` of the app at ``ref`` (as :func:`load_flower_client` finds it),
+    without importing the app's module (a ``MODULE:ATTR`` is located with
+    ``importlib.util.find_spec``, which imports its parent packages only). An empty project
+    when there is none or ``ref`` cannot be located: loading the app says why."""
+    try:
+        path = Path(ref)
+        if ":" not in ref and path.is_dir():
+            return _resolve(ref)[1] or FlowerProject()
+        module_ref = ref.rpartition(":")[0]
+        if module_ref.endswith(".py") or "/" in module_ref:
+            file = Path(module_ref)
+            return find_project(file) if file.is_file() else FlowerProject()
+        spec = importlib.util.find_spec(module_ref) if module_ref else None
+        if spec is not None and spec.origin:
+            return find_project(Path(spec.origin))
+    except (FlowerAppError, ImportError, ValueError, OSError):
+        pass
+    return FlowerProject()
+
+
+def app_run_config(ref: str, overrides: str | dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run config the app at ``ref`` runs with (its pyproject's, then ``overrides``),
+    read without loading the app: what a server needs before it builds its core."""
+    return run_config(app_project(ref), overrides)
+
+
+#: Profile entries a client's properties may fill at most (the server takes 16 in all).
+MAX_PROPERTY_ENTRIES = 12
+#: The prefix of those entries' keys in the join profile's ``extra``.
+PROPERTY_PREFIX = "flwr."
+
+
+def query_properties(trainer: Any, who: str = "the Flower client") -> dict[str, Any]:
+    """Ask the app for its properties once (its ``@app.query()`` handler, or a NumPyClient's
+    ``get_properties``) and log them in one line; ``{}`` when it has neither. A handler that
+    fails is logged as a warning and the client carries on: Murmura asks on its own, and an
+    app written for its ServerApp's queries may expect other config keys."""
+    query = getattr(trainer, "query", None)
+    if query is None:
+        return {}
+    try:
+        props = query()
+    except FlowerAppError as exc:
+        log.warning("%s: asking the app for its properties failed (ignored): %s", who, exc)
+        return {}
+    if props is None:
+        return {}
+    log.info("%s properties (its query handler): %s", who,
+             ", ".join(f"{k}={v!r}" for k, v in sorted(props.items())) or "none")
+    return dict(props)
+
+
+def profile_extra(props: dict[str, Any]) -> dict[str, str]:
+    """Properties as join-profile entries (``DeviceProfile.extra``): ``flwr.<name>`` = the
+    value as text, within the server's limits (keys up to 64 characters, values up to 256,
+    printable; at most :data:`MAX_PROPERTY_ENTRIES`, by name)."""
+    out: dict[str, str] = {}
+    for k in sorted(props)[:MAX_PROPERTY_ENTRIES]:
+        v = props[k]
+        text = ("true" if v else "false") if isinstance(v, bool) else str(v)
+        key = "".join(c for c in f"{PROPERTY_PREFIX}{k}" if c.isprintable())[:64]
+        out[key] = "".join(c for c in text if c.isprintable())[:256]
+    return out
+
+
 def run_flower_client(cfg: Any, ref: str, *, identity: Any = None,
                       run_config_overrides: str | dict[str, Any] | None = None) -> Any:
     """``murmura client --flower-app REF``: join ``cfg.server`` with the Flower client as the
@@ -231,6 +301,7 @@ def run_flower_client(cfg: Any, ref: str, *, identity: Any = None,
     from murmura.client.runtime import ClientRuntime, RetryPolicy
     from murmura.client.status import StatusTrainer
     from murmura.client.transport import GrpcTransport
+    from murmura.protocols import DeviceProfile
     from murmura.protocols.tls import channel_credentials
 
     if cfg.threads:
@@ -245,11 +316,16 @@ def run_flower_client(cfg: Any, ref: str, *, identity: Any = None,
                                           run_config_overrides=run_config_overrides)
     log.info("Flower client %s: %d arrays, %d values", ref[:60], len(trainer.spec.tensors),
              trainer.spec.size)
+    # the app's properties travel in the join's device profile (the server keeps them with
+    # the client's session), as a ServerApp would have asked for them with a query message
+    props = query_properties(trainer, f"Flower client {cfg.client_index}")
+    profile = DeviceProfile(extra=profile_extra(props))
     running = StatusTrainer(trainer, cfg.status_file) if cfg.status_file else trainer
     transport = GrpcTransport(cfg.server, tls=tls, insecure=cfg.insecure)
     try:
         runtime = ClientRuntime(transport, running, client_id=cfg.client_id, identity=identity,
-                                token=cfg.token, codec=cfg.codec, wait_s=cfg.wait_s,
+                                profile=profile, token=cfg.token, codec=cfg.codec,
+                                wait_s=cfg.wait_s,
                                 retry=RetryPolicy(give_up_after_s=cfg.give_up_after_s),
                                 give_up_unreached_s=cfg.give_up_unreached_s)
         log.info("client id %s", runtime.client_id)
@@ -258,4 +334,6 @@ def run_flower_client(cfg: Any, ref: str, *, identity: Any = None,
         transport.close()
 
 
-__all__ = ["app_defaults", "load_flower_client", "run_flower_client"]
+__all__ = ["MAX_PROPERTY_ENTRIES", "PROPERTY_PREFIX", "app_defaults", "app_project",
+           "app_run_config", "load_flower_client", "profile_extra", "query_properties",
+           "run_flower_client"]

@@ -12,6 +12,10 @@ numeric entries travel as the update's metrics.
 The ``Context`` is the one a Flower SuperNode builds: ``node_config`` has ``partition-id``
 (the client index) and ``num-partitions`` (the number of clients), ``run_config`` the app's
 run config, and ``state`` persists across the client's tasks.
+
+An ``@app.query()`` handler is asked once, when the client is created, for the client's
+properties (:meth:`MessageAppTrainer.query`): they go into its join profile
+(:func:`~murmura.client.flower_load.run_flower_client`) or, simulated, into summary.json.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from murmura.protocols import FlatVector, ModelSpec, TaskSettings
 from murmura.protocols.spec import TensorSpec
 
 _FLOAT = ("float16", "float32", "float64")
+#: A property value, as Flower's ``get_properties`` returns them.
+Scalar = bool | int | float | str
+#: What the query message asks (its ``ConfigRecord`` under ``"config"``).
+QUERY_CONFIG: dict[str, str] = {"query": "properties"}
 #: Evaluation metrics ride on the next update as ``eval_<name>`` (server/client_eval.py).
 _EVAL_PREFIX = "eval_"
 
@@ -68,6 +76,7 @@ class MessageAppTrainer(Trainer):
         self.train_config = dict(train_config or {})
         registered = getattr(app, "_registered_funcs", None) or {}
         self.has_evaluate = any(k.startswith("evaluate.") for k in registered)
+        self.has_query = "query.default" in registered
         self._version: int | None = None
         self._last_eval: int | None = None
         self._count = 0
@@ -197,6 +206,21 @@ class MessageAppTrainer(Trainer):
         metrics.update(report)
         return TrainResult(flat, n, metrics)
 
+    # -- properties ----------------------------------------------------------------------
+
+    def query(self) -> dict[str, Scalar] | None:
+        """The app's ``@app.query()`` handler, asked once for the client's properties, as a
+        Flower ``ServerApp`` asks with a ``query`` message (the Message API's form of
+        ``get_properties``): the message carries ``ConfigRecord({"query": "properties"})``
+        under ``"config"``; the scalar entries of the reply's ConfigRecords and MetricRecords
+        are the properties. None when the app has no query handler."""
+        from flwr.app import ConfigRecord, RecordDict
+
+        if not self.has_query:
+            return None
+        content = self._send(RecordDict({"config": ConfigRecord(dict(QUERY_CONFIG))}), "query")
+        return scalars(content)
+
     # -- evaluation ----------------------------------------------------------------------
 
     def evaluate(self, params: FlatVector, settings: TaskSettings | None = None,
@@ -243,6 +267,18 @@ class MessageAppTrainer(Trainer):
         return run
 
 
+def scalars(content: Any) -> dict[str, Scalar]:
+    """The scalar entries (bool, int, float, str) of a reply's ConfigRecords and
+    MetricRecords, merged in record order; lists and bytes are left out."""
+    out: dict[str, Scalar] = {}
+    for records in (content.config_records, content.metric_records):
+        for record in records.values():
+            for k, v in record.items():
+                if isinstance(v, bool | int | float | str):
+                    out[str(k)] = v
+    return out
+
+
 def _seed(seed: int) -> None:
     """Seed the generators an app's handler may draw from (torch if loaded, numpy's and
     Python's global ones): a task's result depends on its seed only, as for Murmura's own
@@ -254,4 +290,5 @@ def _seed(seed: int) -> None:
     random.seed(seed)
 
 
-__all__ = ["MessageAppTrainer", "is_message_app", "spec_from_record"]
+__all__ = ["QUERY_CONFIG", "MessageAppTrainer", "Scalar", "is_message_app", "scalars",
+           "spec_from_record"]

@@ -10,6 +10,13 @@ rows), on the virtual clock.
 The app's data lives inside the app, so the simulator holds none: each virtual client counts
 as one example for the virtual compute time (``local_epochs`` steps per task). Virtual time
 is therefore not calibrated for a Flower app; versions, accuracy and metrics are real.
+
+As on ``murmura client``: the app's ServerApp settings map to the server's
+(``fraction-train`` is the sync cohort fraction, client/flower_app.py); with
+``client_eval_every`` each virtual client runs the app's evaluate handler on the global model
+before it trains (its ``eval_*`` figures give ``client_<metric>_mean/min/max``); and each
+client's properties (its query handler, asked when the client is created, at its first
+task) are in summary.json as ``simulation.flower_properties``.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from murmura.protocols import TaskSettings
 from murmura.server import AggregatorCore, ServerConfig
 from murmura.simulation.config import SimulationConfig
 from murmura.simulation.data import SimulationData
-from murmura.simulation.engine import Simulation
+from murmura.simulation.engine import Simulation, client_id
 from murmura.simulation.execution import Executor, Job, JobResult, default_workers
 from murmura.tasks import ArrayDataset, TaskConfig
 from murmura.tasks.registry import Task
@@ -44,15 +51,27 @@ class FlowerLoopExecutor(Executor):
                  seed: int = 0) -> None:
         self.ref, self.num_clients, self.run_config, self.seed = ref, num_clients, run_config, seed
         self._trainers: dict[int, Any] = {}
+        #: Each client's properties (its app's query handler), asked when it is created.
+        self.properties: dict[int, dict[str, Any]] = {}
+        #: Properties asked since :meth:`take_fresh` (what a worker sends back).
+        self._fresh: dict[int, dict[str, Any]] = {}
 
     def trainer(self, client: int) -> Any:
-        from murmura.client.flower_load import load_flower_client
+        from murmura.client.flower_load import load_flower_client, query_properties
 
         if client not in self._trainers:
-            self._trainers[client] = load_flower_client(
+            trainer = self._trainers[client] = load_flower_client(
                 self.ref, client_index=client, num_clients=self.num_clients,
                 run_config_overrides=self.run_config, seed=self.seed)
+            props = query_properties(trainer, client_id(client))
+            if props:
+                self.properties[client] = self._fresh[client] = props
         return self._trainers[client]
+
+    def take_fresh(self) -> dict[int, dict[str, Any]]:
+        """The properties of the clients created since the last call."""
+        fresh, self._fresh = self._fresh, {}
+        return fresh
 
     def run_one(self, job: Job, settings: TaskSettings, version: int) -> JobResult:
         trainer = self.trainer(job.client)
@@ -82,9 +101,11 @@ def _init_worker(ref: str, num_clients: int, run_config: str | None, seed: int) 
     _WORKER = FlowerLoopExecutor(ref, num_clients, run_config, seed)
 
 
-def _run_in_worker(jobs: list[Job], settings: TaskSettings, version: int) -> list[JobResult]:
+def _run_in_worker(jobs: list[Job], settings: TaskSettings, version: int
+                   ) -> tuple[list[JobResult], dict[int, dict[str, Any]]]:
     assert _WORKER is not None, "worker was not initialised"
-    return [_WORKER.run_one(job, settings, version) for job in jobs]
+    results = [_WORKER.run_one(job, settings, version) for job in jobs]
+    return results, _WORKER.take_fresh()
 
 
 class FlowerPoolExecutor(FlowerLoopExecutor):
@@ -114,7 +135,9 @@ class FlowerPoolExecutor(FlowerLoopExecutor):
                                             self.version) for w, idx in by_worker.items()}
         out: list[JobResult | None] = [None] * len(jobs)
         for w, idx in by_worker.items():
-            for i, result in zip(idx, futures[w].result(), strict=True):
+            results, fresh = futures[w].result()
+            self.properties.update(fresh)
+            for i, result in zip(idx, results, strict=True):
                 out[i] = result
         return [r for r in out if r is not None]
 
@@ -139,18 +162,23 @@ class FlowerSimulation(Simulation):
     def __init__(self, ref: str, server: ServerConfig, sim: SimulationConfig, *,
                  run_config: str | None = None, given: Sequence[str] = (),
                  **kwargs: Any) -> None:
+        from murmura.client.flower_app import server_app_settings
         from murmura.server.flower import flower_config
 
-        if server.train.client_eval_every:
-            raise ValueError("client_eval_every: a simulated Flower app is evaluated by the "
-                             "server with its evaluate handler; evaluation on the virtual "
-                             "clients is not supported yet")
         if sim.executor not in ("auto", "loop", "pool") or sim.vectorise == "on":
             raise ValueError(f"a Flower app runs in the loop or pool executor "
                              f"(executor={sim.executor!r}, vectorise={sim.vectorise!r} asked)")
         self.ref, self.run_config = ref, run_config
         server, self._app_trainer = flower_config(server, ref, run_config=run_config,
                                                   given=given)
+        # the ServerApp's strategy settings (fraction-train...): mapped, or a notice
+        mapped = server_app_settings(self._app_trainer.run_config, mode=server.mode,
+                                     given=given)
+        if mapped.settings:
+            server = server.replace(**mapped.settings)
+        if mapped.notice:
+            log.log(logging.WARNING if "ignored" in mapped.notice else logging.INFO, "%s",
+                    mapped.notice)
         workers = sim.workers or default_workers()
         pool = sim.executor == "pool" or (sim.executor == "auto" and workers > 1
                                           and sim.clients > 1)
@@ -185,6 +213,21 @@ class FlowerSimulation(Simulation):
     def _train_pending(self) -> None:
         self._flower_executor.version = self.core.version
         super()._train_pending()
+
+    def _client_eval(self, clients: list[int]) -> dict[int, dict[str, float]]:
+        """Nothing here: with ``client_eval_every`` each virtual client's trainer runs the
+        app's evaluate handler on the global model itself (as ``murmura client`` does) and
+        its ``eval_*`` figures ride on the update."""
+        return {}
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters, plus ``flower_properties``: each client's properties from
+        the app's query handler (by client id), when the app has one."""
+        out = super().stats()
+        props = self._flower_executor.properties
+        if props:
+            out["flower_properties"] = {client_id(c): dict(v) for c, v in sorted(props.items())}
+        return out
 
 
 __all__ = ["FlowerLoopExecutor", "FlowerPoolExecutor", "FlowerSimulation"]
