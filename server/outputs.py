@@ -39,6 +39,8 @@ class RunRecorder:
         self.last: dict[str, Any] = {}
         self.best_accuracy: float | None = None
         self.count = 0
+        #: Entries a run's stages add to summary.json (the DP stage's ``privacy``).
+        self.notes: dict[str, Any] = {}
         if rows is not None:  # rewrite the file from the rows, atomically
             tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
             tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows),
@@ -85,6 +87,7 @@ class RunRecorder:
             "refused_by_reason": last.get("refused_by_reason", {}),  # by "STATUS: reason"
             "config": self.config,
         }
+        summary.update(self.notes)
         summary.update(extra or {})
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True,
                                                               default=str))

@@ -109,7 +109,9 @@ def make_aggregator(core: PolicyHost) -> Aggregator:
         options["exact"] = True  # config validation allows it only for decomposable rules
     if cfg.defense == "default":
         options = layered_default(options, core.spec, core.update_size)
-    return create_aggregator(cfg.defense, core.update_size, **options)
+    rule = create_aggregator(cfg.defense, core.update_size, **options)
+    privacy = getattr(core, "privacy", None)  # DP: clip and noise around it (privacy.py)
+    return privacy.wrap(rule) if privacy is not None else rule
 
 
 #: What a server gives the `default` rule when its options leave the clipping constants to it:

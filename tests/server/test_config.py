@@ -11,10 +11,16 @@ import pytest
 from murmura.config import build
 from murmura.protocols import TaskSettings
 from murmura.server import ServerConfig
-from murmura.server.config import LeafConfig, PolicyConfig, SecurityConfig, TierConfig
+from murmura.server.config import (
+    LeafConfig,
+    PolicyConfig,
+    PrivacyConfig,
+    SecurityConfig,
+    TierConfig,
+)
 
 SUBS = {"policy": PolicyConfig, "tier": TierConfig, "security": SecurityConfig,
-        "leaf": LeafConfig}
+        "leaf": LeafConfig, "privacy": PrivacyConfig}
 
 #: Configs away from the defaults in every sub-config, each valid as a whole.
 EXAMPLES: list[dict[str, Any]] = [
@@ -27,6 +33,8 @@ EXAMPLES: list[dict[str, Any]] = [
      "allowed_keys": "keys.txt", "train": TaskSettings(local_steps=4, lr=0.05)},
     {"role": "leaf", "upstream": "10.0.0.1:50051", "name": "site-a", "key": "a.key",
      "upstream_tls_ca": "ca.crt", "accumulator": "exact", "cohort_size": 4, "max_workers": 2},
+    {"mode": "async", "dp_clip": 0.5, "dp_noise_multiplier": 1.1, "dp_clip_adaptive": 0.5,
+     "dp_clip_lr": 0.1, "dp_delta": 1e-6, "dp_target_epsilon": 4.0},
 ]
 
 
