@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from murmura.config import build, read_toml
 from murmura.progress import Progress
+from murmura.runs import LiveRun
 
 if TYPE_CHECKING:  # imported where used: building the parser loads no numpy
     import numpy as np
@@ -45,6 +46,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     cfg = build(PeerConfig, toml.get("peer"), args, section="peer")
     task = build(TaskConfig, toml.get("task"), args, section="task")
     gossip = build(GossipConfig, toml.get("gossip"), args, section="gossip")
+    live = LiveRun(None, "peer", args.metrics_address, quiet=args.quiet > 0)  # binds now
     last: dict[str, Any] = {}
 
     def show(round_: int, metrics: dict[str, Any]) -> None:
@@ -67,6 +69,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         runtime.close()
         return 2
     print(f"murmura peer {cfg.identity()} listening on {address}", flush=True)
+    live.serving(address, peer=runtime, peer_metrics=lambda: dict(last))
     if not cfg.bootstrap_list() and gossip.min_peers <= 1:
         # Legitimate for the first peer of a network, and a surprise for anyone who forgot
         # --bootstrap: say what is about to happen and how to change it.
@@ -75,6 +78,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
               f"--bootstrap {address} (give --min-peers N to wait for N-1 of them first)",
               file=sys.stderr, flush=True)
     stats = runtime.run()
+    live.close()
     print(f"peer {cfg.identity()}: {stats.rounds} rounds, {stats.sent} models sent, "
           f"{stats.received} received, {stats.send_failures} failed sends"
           + (f"; final test accuracy {last['accuracy']:.4f}"
@@ -239,6 +243,7 @@ def cmd_run_gossip(args: argparse.Namespace, run: Any, toml: dict[str, Any]) -> 
         procs.append(p)
     if not quiet:
         print(f"first peer listening on {bootstrap}", file=sys.stderr)
+    live = LiveRun(out, "run --gossip").serving(bootstrap, mode=f"gossip/{gossip.topology}")
     recorder = RunRecorder(out, config={"run": asdict(run), "task": asdict(task),
                                         "gossip": asdict(gossip)})
     progress = Progress(gossip.rounds, quiet=quiet)
@@ -256,6 +261,7 @@ def cmd_run_gossip(args: argparse.Namespace, run: Any, toml: dict[str, Any]) -> 
     finally:
         progress.close()
         failed = _stop(procs, logs=out / "peers")
+        live.close()
     follow.poll()
     for row in follow.complete(set()):
         recorder.record(row)

@@ -153,6 +153,7 @@ class IntakeJob:
         try:
             return self._precheck(header)
         except ServiceError as exc:
+            self.telemetry.refused(header.session, exc)
             self.count_refusal(exc)
             raise
 
@@ -210,6 +211,7 @@ class IntakeJob:
         :meth:`finish_push` or :meth:`abort_push`.
         """
         self.traffic.bytes_up += wire_bytes  # refused updates crossed the wire too
+        self.telemetry.received(header.codec, wire_bytes)
         try:
             if self.store_error is not None:
                 raise Unavailable("the aggregator cannot write its durable state; retry later")
@@ -236,6 +238,7 @@ class IntakeJob:
                 raise InvalidArgument(f"header announces {header.payload_bytes} payload bytes, "
                                       f"{payload_bytes} arrived")
         except ServiceError as exc:
+            self.telemetry.refused(header.session, exc)
             self.count_refusal(exc)
             raise
         self._inflight.add(key)
@@ -250,6 +253,7 @@ class IntakeJob:
     def abort_push(self, header: UpdateHeader, exc: BaseException) -> None:
         """Decoding failed: count the refusal and forget the update (a retry may come)."""
         self._inflight.discard(self._key(header))
+        self.telemetry.refused(header.session, exc)
         if isinstance(exc, ServiceError):
             self.count_refusal(exc)
 
@@ -331,6 +335,7 @@ class IntakeJob:
                     self.last_durable = None
                 raise
         except ServiceError as exc:
+            self.telemetry.refused(header.session, exc)
             self.count_refusal(exc)
             raise
         finally:
@@ -340,5 +345,6 @@ class IntakeJob:
         if digest is not None:
             self._counted[digest] = rec.client_id
         rec.updates += 1
+        self.telemetry.accepted(rec, staleness)
         self._changed()
         return PushResult(duplicate=False, version=self.version, staleness=staleness)

@@ -26,6 +26,7 @@ from murmura.server.futures import wait_for_thread
 from murmura.server.limits import MAX_TEXT, check_number, check_text
 from murmura.server.pipeline import PushPipeline
 from murmura.server.slabs import Slab
+from murmura.server.telemetry import timed_handlers
 from murmura.server.tier import Tier
 
 log = logging.getLogger(__name__)
@@ -306,4 +307,5 @@ def add_servicer(servicer: AggregatorServicer, server: grpc.aio.Server) -> None:
             request_deserializer=tolerant(pb.ChallengeRequest.FromString, "ChallengeRequest"),
             response_serializer=pb.ChallengeReply.SerializeToString),
     }
+    handlers = timed_handlers(handlers, servicer.core.telemetry.observe_rpc)  # RPC latency
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

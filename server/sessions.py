@@ -239,6 +239,7 @@ class SessionsJob:
                                               public_key=public_key)
         self._last_seen[session] = now
         self._session_of[client_id] = session
+        self.telemetry.joined(self.sessions[session])
         self.last_durable = None
         if self.store is not None:
             self._durable(SaveSession(session, client_id, dataclasses.asdict(profile),
