@@ -3,9 +3,9 @@
 Each command lives in its own module: ``run`` (:mod:`murmura.run`), ``server``
 (:mod:`murmura.serve`), ``client`` and ``launch`` (:mod:`murmura.clients`), ``peer``
 (:mod:`murmura.peers`), ``simulate`` (:mod:`murmura.simulate`), ``keys`` and ``certs``
-(:mod:`murmura.keys`), ``new`` (:mod:`murmura.new`). Config flags come from the config
-dataclasses (:mod:`murmura.config`); every option is checked before a command starts
-(:mod:`murmura.validate`).
+(:mod:`murmura.keys`), ``new`` (:mod:`murmura.new`), ``dashboard`` (:mod:`murmura.dashboard`).
+Config flags come from the config dataclasses (:mod:`murmura.config`); every option is checked
+before a command starts (:mod:`murmura.validate`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ from murmura import __version__
 from murmura.clients import add_flower_arguments, cmd_client, cmd_launch
 from murmura.common import add_common
 from murmura.config import add_arguments
+from murmura.dashboard import add_dashboard_flags
+from murmura.dashboard import add_parser as add_dashboard
 from murmura.keys import cmd_certs, cmd_keys
 from murmura.new import cmd_new
 from murmura.run import RunConfig, cmd_run
+from murmura.runs import cmd_runs
 from murmura.serve import cmd_server
 from murmura.validate import UsageError
 
@@ -90,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None,
                    help="clients' device: auto, cpu, cuda, mps or cuda:N (default: auto)")
     add_flower_arguments(p, "run the clients and model of")
+    add_dashboard_flags(p, tls=False)
     p.set_defaults(fn=cmd_run, server_only=sorted(server_only), gossip_only=sorted(gossip_only))
 
     p = sub.add_parser("server", help="run the aggregator service",
@@ -112,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the last version, keep telling clients to stop for this many "
                    "seconds")
     add_flower_arguments(p, "serve the model of")
+    add_dashboard_flags(p, tls=True)
     p.set_defaults(fn=cmd_server)
 
     p = sub.add_parser("client", help="run one client against an aggregator",
@@ -133,7 +138,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, PeerConfig, title="peer")
     add_arguments(p, GossipConfig, title="gossip")
     add_arguments(p, TaskConfig, title="task")
+    p.add_argument("--metrics-address", default="", metavar="HOST:PORT",
+                   help="serve Prometheus metrics on HOST:PORT (port 0: any free port; needs "
+                   "pip install \"murmura[ops]\"; docs/operations.md)")
     p.set_defaults(fn=cmd_peer)
+
+    p = sub.add_parser("runs", help="list the runs under a directory, or show one",
+                       description="List the run directories under DIR (default: runs) with "
+                       "their command, mode, state (running, finished, interrupted, crashed, "
+                       "incomplete), versions, final accuracy and last change; `murmura runs "
+                       "show NAME` prints one run's config, summary and last metrics rows "
+                       "(docs/operations.md).")
+    p.add_argument("target", nargs="*", metavar="DIR | show NAME",
+                   help="the directory to list (default: runs), or `show NAME`")
+    p.add_argument("--dir", default=None, metavar="DIR",
+                   help="the directory holding the runs, for `show` (default: runs)")
+    p.add_argument("--rows", type=int, default=5, metavar="N",
+                   help="`show`: how many of the last metrics rows to print")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(fn=cmd_runs)
 
     p = sub.add_parser("new", help="write a starting app file NAME.py (docs/apps.md)",
                        description="Write NAME.py, an app file with a small model, generated "
@@ -200,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     from murmura.simulate import add_parser as add_simulate
 
     add_simulate(sub)  # murmura simulate: same [task]/[server] config, virtual clock
+    add_dashboard(sub)  # murmura dashboard --run DIR: a run's read-only web page
     return parser
 
 

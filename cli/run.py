@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from murmura.clients import ClientLauncher, FlowerApp
+from murmura.clients import ClientLauncher, FlowerApp, flower_given, flower_server_settings
 from murmura.common import configure_logging, task_and_server
 from murmura.config import build, read_toml
+from murmura.dashboard import announce, plan_for, start_live
 from murmura.progress import Progress, result_line
+from murmura.runs import LiveRun
 from murmura.validate import UsageError
 
 log = logging.getLogger("murmura")
@@ -102,9 +104,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     # simulator's clients do.
     key_seed = server.seed if server.security.require_identity else None
     launcher = ClientLauncher(run, flower or task, out, args.device, key_seed)
+    live = LiveRun(out, "run", server.metrics_address, quiet=quiet)  # binds the metrics port
     if flower is not None:  # after the fork: loading the app may run torch ops
         from murmura.server.flower import flower_core, given_keys
 
+        server = flower_server_settings(server, flower.ref, flower.run_config,
+                                        flower_given(args, toml))  # fraction-train...
         core = flower_core(server, flower.ref, out_dir=out, run_config=flower.run_config,
                            given=given_keys(args, toml),
                            extra_config={"run": dataclasses.asdict(run)})
@@ -114,9 +119,15 @@ def cmd_run(args: argparse.Namespace) -> int:
                           extra_config={"run": dataclasses.asdict(run)})
     progress = Progress(server.max_versions, quiet=quiet)
     interrupted = threading.Event()
-    with ServerThread(core) as srv, _on_sigint(interrupted, quiet):
+    with ServerThread(core) as srv, _on_sigint(interrupted, quiet), live:
         if not quiet:
             print(f"aggregator listening on {srv.address}", file=sys.stderr)
+        live.serving(srv.address, core.telemetry)  # metrics endpoint, OUT/murmura.pid
+        dashboard = None
+        plan = plan_for(args)
+        if plan is not None:  # after the fork above: a thread serving the run's web page
+            dashboard = start_live(plan, core, out, call=srv.call)
+            announce(dashboard, stream=sys.stderr)
         clients = launcher.start(srv.address)
         try:
             finished = _watch(srv, core, progress, clients, run.timeout_s, interrupted)
@@ -127,6 +138,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             failed = _stop_clients(clients, 5.0 if interrupted.is_set() else 30.0)
             failed = sorted(set(failed) | set(launcher.errors))  # threads that raised too
         metrics = srv.call(lambda: dict(core.last_metrics))
+        if dashboard is not None:
+            srv.call(dashboard.cancel_poster)
     assert core.recorder is not None  # build_core with an out_dir records the run
     summary = core.recorder.finish({"wall_s": time.monotonic() - t0,
                                     "clients_failed": len(failed),
@@ -144,6 +157,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     written = [f"{out}/{name}" for name in ("metrics.jsonl", "summary.json", "accuracy.png")
                if (out / name).exists()]
     print(f"results: {', '.join(written)}")
+    if dashboard is not None:
+        dashboard.stop()
     if interrupted.is_set():
         return 130
     if not finished and failure:  # the clients failed (a bad app, an unreachable server...)

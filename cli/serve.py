@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from murmura.common import configure_logging, task_and_server
 from murmura.config import read_toml
+from murmura.dashboard import announce, plan_for, start_live
 from murmura.progress import Progress, result_line
+from murmura.runs import LiveRun
 from murmura.server.outputs import read_rows
 
 if TYPE_CHECKING:
@@ -49,6 +51,7 @@ async def _serve(server_cfg: ServerConfig, task: TaskConfig, args: argparse.Name
     if server_cfg.leaf.role == "leaf":
         return await _serve_leaf(server_cfg, task, args, stop)
     out = Path(args.out)
+    live = LiveRun(out, "server", server_cfg.metrics_address, quiet=args.quiet > 0)  # binds now
     resume = args.resume
     if resume == "auto":
         candidate = out / "checkpoint.npz"
@@ -58,11 +61,15 @@ async def _serve(server_cfg: ServerConfig, task: TaskConfig, args: argparse.Name
     # Durable (the default): OUT/state.db keeps what a restart needs, and a server started on
     # an OUT that holds state resumes from it (it logs "resumed from the durable state").
     if args.flower_app:  # the model a Flower client starts from (docs/flower.md)
+        from murmura.clients import flower_given, flower_server_settings
         from murmura.server.flower import flower_core, given_keys
 
+        toml = read_toml(args.config)
+        server_cfg = flower_server_settings(server_cfg, args.flower_app, args.run_config,
+                                            flower_given(args, toml))  # fraction-train...
         core = flower_core(server_cfg, args.flower_app, out_dir=out, resume=resume,
                            durable=args.durable, run_config=args.run_config,
-                           given=given_keys(args, read_toml(args.config)))
+                           given=given_keys(args, toml))
         server_cfg = core.config  # with the settings the app's config suggests
     else:
         core = build_core(server_cfg, task, out_dir=out, resume=resume, durable=args.durable)
@@ -75,6 +82,16 @@ async def _serve(server_cfg: ServerConfig, task: TaskConfig, args: argparse.Name
         raise ValueError(f"--address: cannot listen on {server_cfg.address[:60]} (port "
                          f"already in use?)") from None
     print(f"murmura server listening on {srv.address}", flush=True)
+    dashboard = None
+    plan = plan_for(args, tls_cert=security.tls_cert, tls_key=security.tls_key)
+    if plan is not None:  # a read-only web page of the run, served from its own thread
+        try:
+            dashboard = start_live(plan, core, out)
+        except BaseException:
+            await srv.stop(grace=None)
+            raise
+        announce(dashboard)
+    live.serving(srv.address, core.telemetry)  # metrics endpoint, OUT/murmura.pid
     progress = Progress(server_cfg.max_versions, quiet=args.quiet > 0)
     reporter = asyncio.ensure_future(_report(core, progress))
     done = asyncio.ensure_future(srv.wait_done())
@@ -94,12 +111,17 @@ async def _serve(server_cfg: ServerConfig, task: TaskConfig, args: argparse.Name
         core.stop()
     done.cancel()
     stopped.cancel()
+    if dashboard is not None:
+        dashboard.cancel_poster()  # the page shows the run finished until the process exits
     await srv.stop(grace=1.0)
+    live.close()
     assert core.recorder is not None  # build_core with an out_dir records the run
     wall_s = time.monotonic() - t0
     summary = core.recorder.finish({"wall_s": wall_s})
     print(result_line(summary, dict(core.last_metrics), wall_s), flush=True)
     print(f"stopped at version {summary['versions']}; results in {out}", flush=True)
+    if dashboard is not None:
+        dashboard.stop()
     return 0
 
 
@@ -140,8 +162,11 @@ async def _serve_leaf(server_cfg: ServerConfig, task: TaskConfig, args: argparse
     from murmura.server.leaf import Leaf
 
     leaf = Leaf(server_cfg, task, out_dir=Path(args.out))
+    live = LiveRun(args.out, "server --role leaf", server_cfg.metrics_address,
+                   quiet=args.quiet > 0)
     t0 = time.monotonic()
     await leaf.start()
+    live.serving(leaf.address, leaf.core.telemetry if leaf.core is not None else None)
     print(f"murmura leaf listening on {leaf.address} (upstream {server_cfg.leaf.upstream})",
           flush=True)
     done = asyncio.ensure_future(leaf.wait_done())
@@ -156,6 +181,7 @@ async def _serve_leaf(server_cfg: ServerConfig, task: TaskConfig, args: argparse
     done.cancel()
     stopped.cancel()
     await leaf.stop(grace=1.0)
+    live.close()
     summary = leaf.finish(wall_s=time.monotonic() - t0)  # what it forwarded, not results
     if leaf.link_error is not None:
         print(f"murmura server: the upstream link failed: {leaf.link_error}", file=sys.stderr)

@@ -3,6 +3,8 @@
 The config file is ``murmura run``'s: ``[task]`` and ``[server]`` mean the same, ``[simulation]``
 configures the virtual clients (see :class:`SimulationConfig`), and ``[run]`` is ignored except
 that its ``clients`` is the default number of virtual clients. Flags override the file.
+``--device`` (``device`` in ``[simulation]``) trains the virtual clients on a GPU; the
+summary's ``simulation`` entry records the device and the chunk size used.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def add_parser(subparsers: Any) -> None:
                    "result")
     add_arguments(p, SimulationConfig, title="simulation")
     add_arguments(p, TaskConfig, title="task")
-    add_arguments(p, ServerConfig, title="server", skip=("address",))
+    add_arguments(p, ServerConfig, title="server", skip=("address", "metrics_address"))
     add_arguments(p, GossipConfig, title="gossip (with --gossip)")
     add_flower_arguments(p, "simulate the clients and model of")
     p.set_defaults(fn=cmd_simulate)
@@ -86,6 +88,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     task, server, sim, given_min = load_configs(toml, args)
     if sim.gossip and getattr(args, "flower_app", None):
         raise ValueError("--flower-app runs with an aggregator; it does not take --gossip")
+    if getattr(args, "flower_app", None) and sim.device not in ("cpu", "auto"):
+        raise ValueError(f"--flower-app runs the app's own client code, which picks its own "
+                         f"device; it does not take --device {sim.device}")
     if sim.gossip:
         return _simulate_gossip(task, sim, toml, args)
     quiet = args.quiet > 0
@@ -93,18 +98,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     flower = getattr(args, "flower_app", None)
     engine: Simulation
     if flower:  # a Flower app's clients as the virtual clients (docs/flower.md)
+        from murmura.clients import flower_given
         from murmura.server.flower import given_keys
         from murmura.simulation.flower import FlowerSimulation
 
         engine = FlowerSimulation(flower, server, sim, run_config=args.run_config,
-                                  given=sorted(given_keys(args, toml)))
+                                  given=sorted(given_keys(args, toml) | flower_given(args, toml)))
         server = engine.server_config
     if not quiet:
         print(f"murmura simulate: {sim.clients} virtual clients, mode={server.mode}, "
               f"task={flower or task.app or task.task}, codec={server.train.codec}, "
               f"speed spread "
-              f"{sim.speed_spread:g}x, availability={sim.availability}, out={sim.out}",
-              file=sys.stderr)
+              f"{sim.speed_spread:g}x, availability={sim.availability}, "
+              + (f"device={sim.device}, " if sim.device != "cpu" else "")
+              + f"out={sim.out}", file=sys.stderr)
     progress = Progress(server.max_versions, quiet=quiet)
     if flower:
         engine.progress = progress.update

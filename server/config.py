@@ -7,6 +7,7 @@ seed, what clients train) and one frozen sub-config per concern, each checking i
 * ``tier`` (:class:`TierConfig`): where updates are decoded;
 * ``security`` (:class:`SecurityConfig`): who may join and push, over what, and how much;
 * ``leaf`` (:class:`LeafConfig`): a leaf aggregator's place in a hierarchy and its link up.
+* ``privacy`` (:class:`PrivacyConfig`): client-level differential privacy (docs/privacy.md).
 
 ``ServerConfig`` itself checks what spans them (a leaf needs a decomposable rule, plaintext
 needs a loopback address or ``insecure``, ...).
@@ -59,7 +60,14 @@ class PolicyConfig:
     round_deadline_s: float = 120.0
     liveness_factor: float = 1.5   # a cohort member silent this x its task time leaves (0: off)
     # async (FedBuff)
-    buffer_size: int = 5
+    # K = 10 updates per version (FedBuff, https://arxiv.org/abs/2106.06639): the K of every
+    # async accuracy benchmark here, so also the N that FedCompass's default step sqrt(m/N)
+    # was tuned with. A version is the mean of K clients' updates; with non-IID clients a
+    # small K is a biased sample of the label mix, so the model moves towards whoever arrived.
+    # On the README's federation.toml (10 Dirichlet-0.5 clients) K = 5 ended 2.0 points below
+    # sync (mean of 3 seeds) and K = 10, about one update per client per version, 0.6 points
+    # (docs/architecture.md, "Policies", has the runs and what K = 10 costs elsewhere).
+    buffer_size: int = 10
     max_staleness: int = 20
     staleness: str = "polynomial"
     staleness_exponent: float = 0.5
@@ -282,9 +290,73 @@ class LeafConfig:
             raise ValueError("key and upstream_tls_* are for role 'leaf' (its upstream link)")
 
 
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """Client-level differential privacy: DP-FedAvg with noise added by the server (central
+    DP), fixed or adaptive clipping, epsilon from dp-accounting; docs/privacy.md. On when
+    ``dp_clip`` > 0."""
+
+    dp_clip: float = field(default=0.0, metadata={"help": (
+        "differential privacy: clip each client's update to this L2 norm and average clients "
+        "with equal weights (0: DP off; docs/privacy.md)")})
+    dp_noise_multiplier: float = field(default=0.0, metadata={"help": (
+        "DP: Gaussian noise of std this x the clip on the sum of the clipped updates, once "
+        "per version (>= 0; 0: clipping only, epsilon infinite)")})
+    dp_clip_adaptive: float = field(default=0.0, metadata={"help": (
+        "DP: adapt the clip toward this quantile of the update norms (Andrew et al. 2021; "
+        "in (0, 1), e.g. 0.5; 0: fixed clip); --dp-clip is the first clip")})
+    dp_clip_lr: float = field(default=0.2, metadata={"help": (
+        "DP: learning rate of the adaptive clip (C <- C exp(-lr (share below C - quantile)))")})
+    dp_clip_count_noise: float = field(default=0.0, metadata={"help": (
+        "DP: std of the noise on the adaptive clip's count (0: cohort / 20, at least the "
+        "noise multiplier)")})
+    dp_delta: float = field(default=1e-5, metadata={"help": (
+        "DP: the delta epsilon is reported at, in (0, 1); keep it below 1 / clients")})
+    dp_target_epsilon: float = field(default=0.0, metadata={"help": (
+        "DP: stop the run before a version whose epsilon would exceed this (0: no limit)")})
+
+    def __post_init__(self) -> None:
+        for name in ("dp_clip", "dp_noise_multiplier", "dp_clip_count_noise",
+                     "dp_target_epsilon"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if not 0 <= self.dp_clip_adaptive < 1:
+            raise ValueError(f"dp_clip_adaptive (the target quantile) must lie in (0, 1), or "
+                             f"be 0 for a fixed clip; got {self.dp_clip_adaptive}")
+        if not (math.isfinite(self.dp_clip_lr) and self.dp_clip_lr > 0):
+            raise ValueError(f"dp_clip_lr must be positive, got {self.dp_clip_lr}")
+        if not 0 < self.dp_delta < 1:
+            raise ValueError(f"dp_delta must lie in (0, 1), got {self.dp_delta}")
+        given = [n for n in ("dp_noise_multiplier", "dp_clip_adaptive", "dp_clip_count_noise",
+                             "dp_target_epsilon") if getattr(self, n)]
+        if given and not self.enabled:
+            raise ValueError(f"{given[0]} needs dp_clip (--dp-clip C > 0), which turns "
+                             f"differential privacy on")
+        if self.dp_target_epsilon and not self.dp_noise_multiplier:
+            raise ValueError("dp_target_epsilon needs dp_noise_multiplier > 0 (without noise "
+                             "epsilon is infinite from the first version)")
+        if self.dp_clip_count_noise and not self.dp_clip_adaptive:
+            raise ValueError("dp_clip_count_noise is for the adaptive clip (dp_clip_adaptive)")
+        if self.dp_clip_count_noise and not 2 * self.dp_clip_count_noise > \
+                self.dp_noise_multiplier:
+            raise ValueError(f"dp_clip_count_noise {self.dp_clip_count_noise:g} must exceed "
+                             f"half of dp_noise_multiplier {self.dp_noise_multiplier:g} (the "
+                             f"count's noise is part of the multiplier's budget)")
+        if self.enabled:
+            from murmura.server.privacy import require_accounting
+
+            require_accounting()
+
+    @property
+    def enabled(self) -> bool:
+        return self.dp_clip > 0
+
+
 #: ServerConfig's sub-configs by field name; their fields are flat keys of the server's.
 _GROUPS: dict[str, type] = {"policy": PolicyConfig, "tier": TierConfig,
-                            "security": SecurityConfig, "leaf": LeafConfig}
+                            "security": SecurityConfig, "leaf": LeafConfig,
+                            "privacy": PrivacyConfig}
 
 
 @dataclass(frozen=True)
@@ -299,6 +371,9 @@ class ServerConfig:
     """
 
     address: str = "127.0.0.1:0"
+    metrics_address: str = field(default="", metadata={"help": (
+        "serve Prometheus metrics on HOST:PORT (port 0: any free port, logged at start; "
+        "needs pip install \"murmura[ops]\"; docs/operations.md)")})
     mode: str = "sync"
     max_versions: int = 30
     seed: int = 0
@@ -306,10 +381,12 @@ class ServerConfig:
     tier: TierConfig = field(default_factory=TierConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     leaf: LeafConfig = field(default_factory=LeafConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     # what clients do
     train: TaskSettings = field(default_factory=TaskSettings)
 
     def __post_init__(self) -> None:
+        check_metrics_address(self.metrics_address)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.max_versions < 1:
@@ -334,7 +411,25 @@ class ServerConfig:
             self.compass_bounds()  # raises ValueError on bad bounds
         elif policy.compass_max_steps or policy.compass_min_steps:
             raise ValueError("compass_max_steps and compass_min_steps are for mode 'compass'")
+        if self.privacy.enabled:
+            self._check_privacy()
         self._check_plaintext()
+
+    def _check_privacy(self) -> None:
+        """What differential privacy composes with (docs/privacy.md): one line naming what
+        works, for everything else."""
+        if self.mode == "compass":
+            raise ValueError("differential privacy (--dp-clip) runs in mode sync or async; "
+                             "compass's group sizes depend on client speeds, so a version has "
+                             "no denominator fixed in advance")
+        if not self.policy.decomposable:
+            raise ValueError(f"differential privacy (--dp-clip) clips each update and noises "
+                             f"their sum, which needs --defense fedavg; defense "
+                             f"{self.policy.defense!r} must see every update before noise")
+        if self.leaf.role == "leaf" or self.security.leaf_keys:
+            raise ValueError("differential privacy (--dp-clip) runs at the top aggregator with "
+                             "clients connected directly: a leaf's partial aggregate cannot be "
+                             "clipped per client (drop --role leaf / --leaf-keys)")
 
     def _check_plaintext(self) -> None:
         """Plaintext only on loopback, unless ``insecure`` says so: serving, and a leaf's
@@ -403,6 +498,20 @@ class ServerConfig:
         """The config as a config file's ``[server]`` table: flat keys, ``train`` as its
         sub-table. What a run's summary.json records, readable back by the command line."""
         return {**self.flat(), "train": dataclasses.asdict(self.train)}
+
+
+def check_metrics_address(value: str, what: str = "metrics_address") -> None:
+    """An empty value (no endpoint) or HOST:PORT with prometheus-client installed: checked
+    with the config, so a typo or a missing extra stops the command before anything starts."""
+    if not value:
+        return
+    host, sep, port = value.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{what} must be HOST:PORT (e.g. 127.0.0.1:9100; port 0: any free "
+                         f"port), got {value[:60]!r}")
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise ValueError(f'{what}: Prometheus metrics need prometheus-client, which is not '
+                         f'installed: pip install "murmura[ops]"')
 
 
 def _flat_namespace() -> dict[str, tuple[str, type, dataclasses.Field[Any]]]:

@@ -45,6 +45,7 @@ from murmura.server.intake import MAX_PARTIAL_COUNT, IntakeJob
 from murmura.server.model import BufferRule, ModelRule, OptimizerRule, PoolRule
 from murmura.server.outputs import RunRecorder
 from murmura.server.policy import AsyncPolicy, Policy, PolicyHost, SyncPolicy
+from murmura.server.privacy import PrivacyStage
 from murmura.server.publisher import Publisher
 from murmura.server.ratelimit import RateLimiter
 from murmura.server.recent import RecentMap
@@ -63,6 +64,7 @@ from murmura.server.state import (
     Touch,
 )
 from murmura.server.steadiness import SwingWatch
+from murmura.server.telemetry import Telemetry
 from murmura.server.versions import (
     AGG_PREFIX,
     REFERENCE_VERSIONS,
@@ -183,6 +185,7 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
         self._inflight: set[tuple[str, str]] = set()
         self._valid_header: UpdateHeader | None = None  # the last header check_header passed
         self.traffic = Traffic()
+        self.telemetry = Telemetry(self)  # what the run is doing (server/telemetry.py)
         #: Durable state (server/store.py): a push is acknowledged once it is on disk there.
         self.store = store
         if store is not None and self.checkpoint_path is None:
@@ -245,6 +248,9 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
         self.fold_limit = FOLD_LIMIT[config.policy.accumulator]
         #: Extra figures for the metrics row (the serverless tier's workers and queue).
         self.row_extras: Callable[[], dict[str, Any]] | None = None
+        #: Client-level differential privacy (server/privacy.py), None when off.
+        self.privacy = PrivacyStage.for_run(config, has_buffers=self.buffers is not None,
+                                            seed=self.derive_seed("dp-noise"), recorder=recorder)
         policies: dict[str, Callable[[PolicyHost], Policy]] = {
             "sync": SyncPolicy, "async": AsyncPolicy, "compass": CompassPolicy}
         self.policy: Policy = policies[config.mode](self)  # the policy sees a PolicyHost

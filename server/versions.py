@@ -35,6 +35,7 @@ from murmura.server.errors import (
 from murmura.server.model import BufferRule
 from murmura.server.outputs import clean_row
 from murmura.server.pool import PoolState
+from murmura.server.privacy import PrivacyBudgetSpent
 from murmura.server.state import (
     Consume,
     PublishVersion,
@@ -210,6 +211,9 @@ class VersionsJob:
             row.update(self.client_train.flush())
         if self.row_extras is not None:
             row.update(self.row_extras())
+        if self.privacy is not None:  # the version's DP denominator and sampling rate
+            row.update(self.privacy.plan(len(getattr(self.policy, "cohort", ())),
+                                         len(self.sessions)))
         seqs, self._batch = self._batch, []
         fut = self.publisher.submit(lambda: self._make_version(aggregator, row, seqs))
         fut.add_done_callback(lambda f: self.post(lambda: self._install(f)))
@@ -221,8 +225,11 @@ class VersionsJob:
         """On the publisher thread: aggregate, step, evaluate, record, checkpoint."""
         t0 = time.perf_counter()
         try:
+            if self.privacy is not None:  # PrivacyBudgetSpent: over --dp-target-epsilon
+                self.privacy.admit(aggregator, row, self._pub_version + 1)
             try:
                 delta = aggregator.result()
+                self.telemetry.took_weights(aggregator)  # per-update weights, if the rule has
             finally:
                 aggregator.reset()
             if self.buffers is not None:  # buffers are averaged, never stepped
@@ -247,6 +254,8 @@ class VersionsJob:
         if self.buffers is not None:
             self.buffers.remember(self._pub_version, params)
         row = {"version": self._pub_version, **row, "aggregate_s": round(t1 - t0, 6)}
+        if self.privacy is not None:
+            row.update(self.privacy.released(aggregator))
         if self.evaluator is not None:
             row.update(self._evaluate(params))
             self._watch_swings(row)
@@ -333,6 +342,11 @@ class VersionsJob:
         self.publishing -= 1
         try:
             params, row, scalars = fut.result()
+        except PrivacyBudgetSpent as exc:  # the run ends cleanly, before that version
+            assert self.privacy is not None
+            self.privacy.stopped(exc)
+            self.stop()
+            return
         except Exception as exc:
             log.error("aggregate dropped, the global model is unchanged: %s", exc,
                       exc_info=not isinstance(exc, ValueError))
@@ -359,6 +373,7 @@ class VersionsJob:
             self._history.popitem(last=False)
         if row is not None:
             self.last_metrics = row
+            self.telemetry.published()
             log.info("version %d: %s", version,
                      ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in row.items() if k != "version"))
