@@ -30,6 +30,7 @@ __all__ = [
     "TlsError",
     "channel_credentials",
     "is_loopback",
+    "is_loopback_host",
     "make_ca",
     "make_client_cert",
     "make_server_cert",
@@ -49,8 +50,12 @@ class TlsError(ValueError):
 
 def is_loopback(address: str) -> bool:
     """True for ``HOST:PORT`` addresses on this machine only (127.0.0.0/8, ::1, localhost)."""
-    host = address.rsplit(":", 1)[0] if ":" in address else address
-    host = host.strip("[]")
+    return is_loopback_host(address.rsplit(":", 1)[0] if ":" in address else address)
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for a host name or address (no port) of this machine only."""
+    host = host.strip("[]").lower()
     if host == "localhost":
         return True
     try:

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from murmura.protocols.tls import is_loopback_host as is_loopback
+
 __all__ = ["COOKIE", "MAX_QUERY_BYTES", "MAX_SSE", "MIN_TOKEN_CHARS", "BindPlan",
            "DashboardError", "cookie_value", "host_allowed", "is_loopback", "plan_bind",
            "resolve_run", "split_address", "token_matches"]
@@ -29,17 +31,6 @@ MIN_TOKEN_CHARS = 16
 COOKIE = "murmura_dashboard"
 _RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
-
-
-def is_loopback(host: str) -> bool:
-    """True for a host name or address of this machine only (127.0.0.0/8, ::1, localhost)."""
-    host = host.strip("[]").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class DashboardError(ValueError):
