@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-address", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics on HOST:PORT (port 0: any free port; needs "
                    "pip install \"murmura[ops]\"; docs/operations.md)")
+    add_dashboard_flags(p, tls=False)
     p.set_defaults(fn=cmd_peer)
 
     p = sub.add_parser("runs", help="list the runs under a directory, or show one",

@@ -112,7 +112,7 @@ def plan_for(args: argparse.Namespace, *, tls_cert: str = "", tls_key: str = "")
         raise UsageError(str(exc)) from None
 
 
-@check("server", "run")
+@check("server", "run", "peer")
 def _check_dashboard_flags(args: argparse.Namespace, toml: dict[str, Any]) -> None:
     if not getattr(args, "dashboard", None):
         if getattr(args, "dashboard_token", None) or getattr(args, "dashboard_insecure", False):
@@ -189,7 +189,7 @@ class LiveDashboard:
     """A dashboard beside a running aggregator: the web thread, and the task posting the
     telemetry's snapshots from the aggregator's loop. Stop it before the loop stops."""
 
-    def __init__(self, server: Any, poster: asyncio.Future[Any] | None) -> None:
+    def __init__(self, server: Any, poster: asyncio.Future[Any] | PeerPoster | None) -> None:
         self.server = server
         self.poster = poster
 
@@ -198,7 +198,7 @@ class LiveDashboard:
         return str(self.server.url)
 
     def cancel_poster(self) -> None:
-        """On the aggregator's loop: stop posting."""
+        """Stop posting (an aggregator's poster: on its loop; a peer's: from any thread)."""
         if self.poster is not None:
             self.poster.cancel()
 
@@ -238,3 +238,44 @@ def announce(dashboard: LiveDashboard, *, stream: Any = None) -> None:
     """The one line naming the dashboard's URL (printed even with ``-q``, as the server's
     address is: with port 0 it is the only way to find the page)."""
     print(f"murmura dashboard on {dashboard.url}", file=stream or sys.stdout, flush=True)
+
+
+class PeerPoster(threading.Thread):
+    """Posts a peer's snapshots every ``every_s`` seconds from its own thread: a peer has no
+    event loop that owns its state, and :func:`~murmura.gossip.prometheus.peer_snapshot`
+    copies the view under the runtime's lock itself. A failing snapshot is skipped."""
+
+    def __init__(self, feed: Any, snapshot: Callable[[], Any], every_s: float) -> None:
+        super().__init__(name="dashboard-poster", daemon=True)
+        self.feed, self.snapshot, self.every_s = feed, snapshot, every_s
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        failures = 0
+        while True:
+            try:
+                self.feed.post(self.snapshot())
+            except Exception:
+                failures += 1
+                if failures == 1:
+                    logging.getLogger(__name__).exception(
+                        "dashboard: the peer's snapshot failed; the page shows the last one")
+            if self._stop.wait(self.every_s):
+                return
+
+    def cancel(self) -> None:
+        self._stop.set()
+
+
+def start_peer_live(plan: Any, snapshot: Callable[[], Any], rows_dir: Path) -> LiveDashboard:
+    """A dashboard beside ``murmura peer``: the peer's snapshots (its view of the other peers,
+    rounds, models mixed) posted by a thread, and the rows of ``rows_dir/metrics.jsonl``
+    (the caller appends one per round). Raises UsageError when the address cannot be bound."""
+    from murmura.server.dashboard import DashboardServer, LiveFeed
+
+    feed = LiveFeed(rows_dir)
+    feed.post(snapshot())
+    server = _start(DashboardServer(feed, plan, runs_root=None), "--dashboard")
+    poster = PeerPoster(feed, snapshot, POST_EVERY_S)
+    poster.start()
+    return LiveDashboard(server, poster)

@@ -14,6 +14,7 @@ import json
 import logging
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -49,9 +50,18 @@ def cmd_peer(args: argparse.Namespace) -> int:
     live = LiveRun(None, "peer", args.metrics_address, quiet=args.quiet > 0)  # binds now
     last: dict[str, Any] = {}
 
+    # the dashboard's rows (--dashboard): a peer writes no run directory, so its rounds go to
+    # a metrics.jsonl of its own that the page follows, removed when the peer stops
+    rows = tempfile.TemporaryDirectory(prefix="murmura-peer-") if args.dashboard else None
+
     def show(round_: int, metrics: dict[str, Any]) -> None:
         """A line per round: this peer's model on the test set, and what it mixed."""
         last.update(metrics, round=round_)
+        if rows is not None:
+            with open(Path(rows.name) / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"version": round_ + 1, "round": round_ + 1,
+                                    **{k: v for k, v in metrics.items()
+                                       if isinstance(v, (int, float, str))}}) + "\n")
         if args.quiet == 0:
             acc = metrics.get("accuracy")
             print(f"round {round_ + 1}/{gossip.rounds}"
@@ -70,6 +80,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         return 2
     print(f"murmura peer {cfg.identity()} listening on {address}", flush=True)
     live.serving(address, peer=runtime, peer_metrics=lambda: dict(last))
+    dashboard = _peer_dashboard(args, runtime, last, rows)
     if not cfg.bootstrap_list() and gossip.min_peers <= 1:
         # Legitimate for the first peer of a network, and a surprise for anyone who forgot
         # --bootstrap: say what is about to happen and how to change it.
@@ -77,8 +88,14 @@ def cmd_peer(args: argparse.Namespace) -> int:
               f"new network and it starts training at once; other peers join with "
               f"--bootstrap {address} (give --min-peers N to wait for N-1 of them first)",
               file=sys.stderr, flush=True)
-    stats = runtime.run()
-    live.close()
+    try:
+        stats = runtime.run()
+    finally:
+        live.close()
+        if dashboard is not None:
+            dashboard.cancel_poster()
+            dashboard.stop()
+            rows.cleanup()
     print(f"peer {cfg.identity()}: {stats.rounds} rounds, {stats.sent} models sent, "
           f"{stats.received} received, {stats.send_failures} failed sends"
           + (f"; final test accuracy {last['accuracy']:.4f}"
@@ -88,6 +105,24 @@ def cmd_peer(args: argparse.Namespace) -> int:
               f"this model was trained on this peer's data share alone", file=sys.stderr,
               flush=True)
     return 0
+
+
+def _peer_dashboard(args: argparse.Namespace, runtime: Any, last: dict[str, Any],
+                    rows: Any) -> Any:
+    """``--dashboard``: the peer's page (its view of the other peers, its rounds and
+    accuracy), or None without the flag."""
+    if rows is None:
+        return None
+    from murmura.dashboard import announce, plan_for, start_peer_live
+    from murmura.gossip.prometheus import peer_snapshot
+
+    started = time.time()
+    dashboard = start_peer_live(
+        plan_for(args),
+        lambda: peer_snapshot(runtime, metrics=lambda: dict(last), started_unix=started),
+        Path(rows.name))
+    announce(dashboard)
+    return dashboard
 
 
 # -- murmura run --gossip ---------------------------------------------------------------------

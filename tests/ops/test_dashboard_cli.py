@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,35 @@ def test_murmura_run_serves_its_dashboard_while_it_trains(tmp_path: Path) -> Non
         assert snap["source"] == "live" and snap["run"]["dir"] == str(out)
         proc.communicate(timeout=300)  # reads the progress lines to the end
         assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@needs_ops
+@pytest.mark.integration
+def test_murmura_peer_serves_its_dashboard_with_its_rounds(tmp_path: Path) -> None:
+    # A peer has no run directory: the page shows its snapshot (role, round, its view) and
+    # the rows of the rounds it has done, which it keeps for the page while it runs.
+    proc = subprocess.Popen([sys.executable, "-m", "murmura", "peer", "--listen", "127.0.0.1:0",
+                             "--rounds", "10000", "--local-steps", "1", "--dashboard",
+                             "127.0.0.1:0", "-q"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = _url(proc, r"murmura dashboard on (http://127\.0\.0\.1:\d+/)")
+        deadline = time.monotonic() + 60
+        while True:
+            snap, rows = _get_json(url + "api/snapshot"), _get_json(url + "api/metrics")
+            rows = rows.get("rows", rows) if isinstance(rows, dict) else rows
+            if snap["version"] >= 2 and len(rows) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert (snap["source"], snap["role"]) == ("live", "peer")
+        assert snap["version"] >= 2 and isinstance(snap["peers"], list)
+        assert [r["round"] for r in rows[:2]] == [1, 2] and "accuracy" in rows[0]
+        proc.send_signal(signal.SIGTERM)  # graceful leave: it finishes the round and stops
+        assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
