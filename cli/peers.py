@@ -95,6 +95,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         if dashboard is not None:
             dashboard.cancel_poster()
             dashboard.stop()
+        if rows is not None:
             rows.cleanup()
     print(f"peer {cfg.identity()}: {stats.rounds} rounds, {stats.sent} models sent, "
           f"{stats.received} received, {stats.send_failures} failed sends"

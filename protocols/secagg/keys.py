@@ -1,0 +1,86 @@
+"""Pairwise seeds (X25519, HKDF) and ChaCha20 mask expansion."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from murmura.protocols.secagg.ring import RingVector, _reduce
+
+#: Length of every mask seed and of an X25519 private key.
+SEED_BYTES = 32
+_MAX_ID = (1 << 32) - 1
+_PURPOSES = {"self": b"self", "pair": b"pair"}
+
+# --------------------------------------------------------------------------------------------
+# Key agreement and PRG
+# --------------------------------------------------------------------------------------------
+
+
+def _check_id(client: int) -> int:
+    if not 1 <= client <= _MAX_ID:
+        raise ValueError(f"client ids must be in [1, 2**32 - 1], got {client}")
+    return client
+
+
+def pair_seed(
+    private_key: X25519PrivateKey, peer_public: bytes, *, round_id: int, me: int, peer: int
+) -> bytes:
+    """The 32-byte pairwise mask seed of ``me`` and ``peer``: X25519, then HKDF-SHA256.
+
+    The HKDF ``info`` binds the seed to the round and to both ids in sorted order, so both ends
+    derive the same seed and no seed is reused across rounds or pairs.
+    """
+    if _check_id(me) == _check_id(peer):
+        raise ValueError("a client has no pairwise seed with itself")
+    if len(peer_public) != 32:
+        raise ValueError(f"an X25519 public key has 32 bytes, got {len(peer_public)}")
+    shared = private_key.exchange(X25519PublicKey.from_public_bytes(peer_public))
+    lo, hi = sorted((me, peer))
+    info = b"murmura/secagg/pair/v1" + _u64(round_id) + lo.to_bytes(4, "little")
+    info += hi.to_bytes(4, "little")
+    return HKDF(algorithm=hashes.SHA256(), length=SEED_BYTES, salt=None, info=info).derive(shared)
+
+
+def _u64(value: int) -> bytes:
+    if not 0 <= value < 1 << 64:
+        raise ValueError(f"round ids must be in [0, 2**64), got {value}")
+    return value.to_bytes(8, "little")
+
+
+def expand_mask(
+    seed: bytes, length: int, *, bits: int, round_id: int, purpose: str = "pair"
+) -> RingVector:
+    """Expand ``seed`` into ``length`` uniform elements of ``Z_{2**bits}`` with ChaCha20.
+
+    The 16-byte ChaCha20 nonce is a zero block counter, a 4-byte purpose tag (``self``/``pair``)
+    and the round id, so the self-mask and pairwise streams are separated even for equal keys.
+    Words are 4 bytes (``bits <= 32``) or 8 bytes, little-endian, reduced to the ring by taking
+    their low bits, which keeps them uniform.
+    """
+    if len(seed) != SEED_BYTES:
+        raise ValueError(f"a mask seed has {SEED_BYTES} bytes, got {len(seed)}")
+    if length < 0:
+        raise ValueError(f"length must be non-negative, got {length}")
+    if not 2 <= bits <= 64:
+        raise ValueError(f"bits must be in [2, 64], got {bits}")
+    if purpose not in _PURPOSES:
+        raise ValueError(f"purpose must be one of {sorted(_PURPOSES)}, got {purpose!r}")
+    nonce = bytes(4) + _PURPOSES[purpose] + _u64(round_id)
+    word = 4 if bits <= 32 else 8
+    encryptor = Cipher(algorithms.ChaCha20(seed, nonce), mode=None).encryptor()
+    stream = encryptor.update(bytes(word * length))
+    words = np.frombuffer(stream, dtype="<u4" if word == 4 else "<u8").astype(np.uint64)
+    return _reduce(words, bits)
+
+
+def seed_commitment(seed: bytes, *, round_id: int, client: int) -> bytes:
+    """A SHA-256 commitment to a self-mask seed, published so a reconstruction can be checked."""
+    data = b"murmura/secagg/self-commit/v1" + _u64(round_id)
+    data += _check_id(client).to_bytes(4, "little")
+    return hashlib.sha256(data + seed).digest()

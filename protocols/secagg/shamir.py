@@ -1,0 +1,103 @@
+"""Shamir secret sharing of seeds and keys over GF(2**521 - 1)."""
+
+from __future__ import annotations
+
+import random
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: The Mersenne prime ``2**521 - 1``: one field element holds a secret of up to 65 bytes.
+PRIME = (1 << 521) - 1
+_MAX_SECRET_BYTES = 65
+
+# --------------------------------------------------------------------------------------------
+# Shamir secret sharing over GF(2**521 - 1)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Share:
+    """Point ``(x, y)`` of a degree ``t - 1`` polynomial whose value at 0 encodes the secret."""
+
+    x: int
+    y: int
+    t: int
+    length: int
+
+
+def split(
+    secret: bytes,
+    n: int,
+    t: int,
+    rng: random.Random | None = None,
+    *,
+    xs: Sequence[int] | None = None,
+) -> list[Share]:
+    """Split ``secret`` (1..65 bytes) into ``n`` shares, any ``t`` of which reconstruct it.
+
+    The x-coordinates are ``1..n`` or ``xs`` (distinct, in ``[1, PRIME)``; the protocol uses the
+    holders' client ids). Coefficients come from ``rng``, by default the operating system's CSPRNG;
+    a seeded ``random.Random`` is for reproducible tests and simulation only.
+    """
+    if not 1 <= len(secret) <= _MAX_SECRET_BYTES:
+        raise ValueError(f"secrets must have 1..{_MAX_SECRET_BYTES} bytes, got {len(secret)}")
+    points = list(range(1, n + 1)) if xs is None else list(xs)
+    if len(points) != n:
+        raise ValueError(f"xs has {len(points)} coordinates for n={n} shares")
+    if not 1 <= t <= n:
+        raise ValueError(f"the threshold must satisfy 1 <= t <= n, got t={t}, n={n}")
+    if len(set(points)) != n or not all(0 < x < PRIME for x in points):
+        raise ValueError("x-coordinates must be distinct and in [1, PRIME)")
+    draw = rng if rng is not None else secrets.SystemRandom()
+    coefficients = [int.from_bytes(secret, "big")] + [draw.randrange(PRIME) for _ in range(t - 1)]
+    shares = []
+    for x in points:
+        y = 0
+        for c in reversed(coefficients):
+            y = (y * x + c) % PRIME
+        shares.append(Share(x=x, y=y, t=t, length=len(secret)))
+    return shares
+
+
+def _interpolate(points: Sequence[tuple[int, int]], at: int) -> int:
+    total = 0
+    for i, (xi, yi) in enumerate(points):
+        num, den = 1, 1
+        for j, (xj, _) in enumerate(points):
+            if i != j:
+                num = num * (at - xj) % PRIME
+                den = den * (xi - xj) % PRIME
+        total = (total + yi * num * pow(den, -1, PRIME)) % PRIME
+    return total
+
+
+def combine(shares: Sequence[Share]) -> bytes:
+    """Reconstruct the secret from at least ``t`` shares by Lagrange interpolation at 0.
+
+    Refuses (``ValueError``) fewer than ``t`` shares, shares of different sharings (``t`` or
+    ``length`` differ), duplicate or out-of-field coordinates, and extra shares that do not lie on
+    the polynomial the first ``t`` define (so a wrong share is detected whenever there is one more
+    share than the threshold).
+    """
+    if not shares:
+        raise ValueError("no shares")
+    t, length = shares[0].t, shares[0].length
+    if any(s.t != t or s.length != length for s in shares):
+        raise ValueError("shares come from different sharings (t or length differ)")
+    if not 1 <= length <= _MAX_SECRET_BYTES or t < 1:
+        raise ValueError(f"malformed share header: t={t}, length={length}")
+    if len(shares) < t:
+        raise ValueError(f"{len(shares)} shares are fewer than the threshold {t}")
+    if len({s.x for s in shares}) != len(shares):
+        raise ValueError("duplicate x-coordinates")
+    if not all(0 < s.x < PRIME and 0 <= s.y < PRIME for s in shares):
+        raise ValueError("share coordinates outside the field")
+    basis = [(s.x, s.y) for s in shares[:t]]
+    for extra in shares[t:]:
+        if _interpolate(basis, extra.x) != extra.y:
+            raise ValueError(f"share at x={extra.x} is inconsistent with the others")
+    value = _interpolate(basis, 0)
+    if value >> (8 * length):
+        raise ValueError("the reconstructed value does not fit the secret length: bad shares")
+    return value.to_bytes(length, "big")
