@@ -73,6 +73,7 @@ def test_bad_dashboard_flags_of_server_and_run_are_refused_before_start(
     assert not (tmp_path / "out").exists()  # nothing started
 
 
+@needs_ops  # without the extra, the missing dependency is said first
 def test_a_taken_port_is_found_before_anything_starts(tmp_path: Path, capsys) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

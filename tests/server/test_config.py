@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from typing import Any
 
@@ -33,8 +34,12 @@ EXAMPLES: list[dict[str, Any]] = [
      "allowed_keys": "keys.txt", "train": TaskSettings(local_steps=4, lr=0.05)},
     {"role": "leaf", "upstream": "10.0.0.1:50051", "name": "site-a", "key": "a.key",
      "upstream_tls_ca": "ca.crt", "accumulator": "exact", "cohort_size": 4, "max_workers": 2},
-    {"mode": "async", "dp_clip": 0.5, "dp_noise_multiplier": 1.1, "dp_clip_adaptive": 0.5,
-     "dp_clip_lr": 0.1, "dp_delta": 1e-6, "dp_target_epsilon": 4.0},
+    pytest.param({"mode": "async", "dp_clip": 0.5, "dp_noise_multiplier": 1.1,
+                  "dp_clip_adaptive": 0.5, "dp_clip_lr": 0.1, "dp_delta": 1e-6,
+                  "dp_target_epsilon": 4.0},
+                 marks=pytest.mark.skipif(importlib.util.find_spec("dp_accounting") is None,
+                                          reason='DP needs the privacy extra: pip install -e '
+                                          '".[privacy]" (in dev)')),
 ]
 
 
