@@ -3,6 +3,7 @@ no torch for the dashboard command, and the real commands serving the page."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import re
@@ -11,14 +12,15 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from murmura.cli import main
+from tests.conftest import wait_until
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 #: The tests that serve a dashboard need the ops extra (starlette, uvicorn); the others check
@@ -130,64 +132,56 @@ def _get_json(url: str) -> Any:
         return json.load(resp)
 
 
+@contextlib.contextmanager
+def murmura(*argv: str, **popen: Any) -> Iterator[subprocess.Popen[str]]:
+    """``python -m murmura ARGV`` with piped text output, killed if still running at the end."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    proc = subprocess.Popen([sys.executable, "-m", "murmura", *argv], text=True, **popen)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @needs_ops
 def test_murmura_dashboard_serves_a_run_directory_until_interrupted(tmp_path: Path) -> None:
     run = run_dir(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "murmura", "dashboard", "--run", str(run),
-                             "--address", "127.0.0.1:0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
+    with murmura("dashboard", "--run", str(run), "--address", "127.0.0.1:0") as proc:
         url = _url(proc, r"murmura dashboard: (http://127\.0\.0\.1:\d+/) ")
         snap = _get_json(url + "api/snapshot")
         assert (snap["run"]["name"], snap["version"], snap["source"]) == ("r", 1, "files")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @needs_ops
 @pytest.mark.integration
 def test_murmura_server_serves_its_dashboard_beside_the_aggregator(tmp_path: Path) -> None:
     out = tmp_path / "srv"
-    proc = subprocess.Popen([sys.executable, "-m", "murmura", "server", "--address",
-                             "127.0.0.1:0", "--out", str(out), "--dashboard", "127.0.0.1:0",
-                             "--no-durable", "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with murmura("server", "--address", "127.0.0.1:0", "--out", str(out), "--dashboard",
+                 "127.0.0.1:0", "--no-durable", "-q") as proc:
         url = _url(proc, r"murmura dashboard on (http://127\.0\.0\.1:\d+/)")
         snap = _get_json(url + "api/snapshot")
         assert (snap["source"], snap["role"], snap["run"]["name"]) == ("live", "server", "srv")
         assert snap["run"]["dir"] == str(out)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @needs_ops
 @pytest.mark.slow
 def test_murmura_run_serves_its_dashboard_while_it_trains(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "murmura", "run", "--clients", "2",
-                             "--max-versions", "3", "--out", str(out), "--dashboard",
-                             "127.0.0.1:0"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    try:
+    with murmura("run", "--clients", "2", "--max-versions", "3", "--out", str(out),
+                 "--dashboard", "127.0.0.1:0", stdout=subprocess.DEVNULL) as proc:
         url = _url(proc, r"murmura dashboard on (http://127\.0\.0\.1:\d+/)", stream="stderr",
                    timeout=240)
         snap = _get_json(url + "api/snapshot")
         assert snap["source"] == "live" and snap["run"]["dir"] == str(out)
         proc.communicate(timeout=300)  # reads the progress lines to the end
         assert proc.returncode == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @needs_ops
@@ -195,25 +189,15 @@ def test_murmura_run_serves_its_dashboard_while_it_trains(tmp_path: Path) -> Non
 def test_murmura_peer_serves_its_dashboard_with_its_rounds(tmp_path: Path) -> None:
     # A peer has no run directory: the page shows its snapshot (role, round, its view) and
     # the rows of the rounds it has done, which it keeps for the page while it runs.
-    proc = subprocess.Popen([sys.executable, "-m", "murmura", "peer", "--listen", "127.0.0.1:0",
-                             "--rounds", "10000", "--local-steps", "1", "--dashboard",
-                             "127.0.0.1:0", "-q"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with murmura("peer", "--listen", "127.0.0.1:0", "--rounds", "10000", "--local-steps", "1",
+                 "--dashboard", "127.0.0.1:0", "-q", cwd=tmp_path) as proc:
         url = _url(proc, r"murmura dashboard on (http://127\.0\.0\.1:\d+/)")
-        deadline = time.monotonic() + 60
-        while True:
-            snap, rows = _get_json(url + "api/snapshot"), _get_json(url + "api/metrics")
-            rows = rows.get("rows", rows) if isinstance(rows, dict) else rows
-            if snap["version"] >= 2 and len(rows) >= 2 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        wait_until(lambda: len(_get_json(url + "api/metrics")["rows"]) >= 2
+                   and _get_json(url + "api/snapshot")["version"] >= 2, timeout=60,
+                   what="two rounds on the peer's page")
+        snap, rows = _get_json(url + "api/snapshot"), _get_json(url + "api/metrics")["rows"]
         assert (snap["source"], snap["role"]) == ("live", "peer")
         assert snap["version"] >= 2 and isinstance(snap["peers"], list)
         assert [r["round"] for r in rows[:2]] == [1, 2] and "accuracy" in rows[0]
         proc.send_signal(signal.SIGTERM)  # graceful leave: it finishes the round and stops
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
