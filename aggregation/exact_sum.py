@@ -175,6 +175,34 @@ class ExactSum:
         out._count, out._weight = int(count), exact_weight
         return out
 
+    @classmethod
+    def over(cls, hi: Limbs, lo: Limbs, state: tuple[int, int, int, Fraction]) -> ExactSum:
+        """A sum whose limbs *are* ``hi`` and ``lo`` (no copy): every later ``add`` and
+        ``merge`` writes into them. ``state`` is :meth:`state` of the sum they came from.
+
+        This is how a sum lives in memory the caller owns, e.g. a shared-memory partial
+        aggregate that aggregation workers fold into one after another: the limbs stay in the
+        shared segment, the four scalars travel with each job. Nothing is validated beyond
+        the shapes (the limbs are the caller's own state, not input from a peer: use
+        :meth:`from_limbs` for that).
+        """
+        if hi.dtype != np.int64 or lo.dtype != np.int64 or hi.ndim != 1 \
+                or hi.shape != lo.shape or hi.size == 0:
+            raise AggregationError("limbs must be two 1-d int64 arrays of one non-zero length")
+        bound, pending, count, weight = state
+        out = cls.__new__(cls)
+        out.size = int(hi.size)
+        out._hi, out._lo = hi, lo
+        out._bound, out._pending, out._count = int(bound), int(pending), int(count)
+        out._weight = Fraction(weight)
+        out._scratch = None
+        return out
+
+    def state(self) -> tuple[int, int, int, Fraction]:
+        """The scalars that :meth:`over` needs besides the limbs (bound, folds pending
+        normalisation, count, weight)."""
+        return self._bound, self._pending, self._count, self._weight
+
     # -- accumulation -----------------------------------------------------------------------
 
     def add(self, update: FlatVector, weight: float, *, factor: float = 1.0) -> None:

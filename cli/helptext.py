@@ -32,6 +32,7 @@ def choices() -> dict[str, str]:
         MODES,
         ROLES,
         STALENESS,
+        WORKER_FOLDS,
     )
     from murmura.simulation.config import DROPOUT, EXECUTORS, VECTORISE
     from murmura.tasks.config import PARTITIONERS, TASK_MODELS
@@ -45,7 +46,7 @@ def choices() -> dict[str, str]:
         "amp": _join(AMP_MODES), "devices": _join(DEVICES), "topologies": _join(TOPOLOGIES),
         "accumulators": _join(ACCUMULATORS), "backends": _join(BACKENDS),
         "modes": _join(MODES), "compass_steps": _join(COMPASS_STEPS), "roles": _join(ROLES),
-        "staleness": _join(STALENESS),
+        "staleness": _join(STALENESS), "worker_folds": _join(WORKER_FOLDS),
         "dropout": _join(DROPOUT), "executors": _join(EXECUTORS),
         "vectorise": _join(VECTORISE), "partitions": _join(PARTITIONERS),
         "models": "; ".join(f"{_join(models)} ({_join(tasks)})"
@@ -120,6 +121,9 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "slab_mb": "shared memory (MB) for payloads and decoded updates in flight",
         "backend": "where decoding workers run: {backends}",
         "ray_address": "backend ray: a cluster address (empty: start a local Ray)",
+        "worker_folds": "{worker_folds}: fold accepted updates into partial aggregates in the "
+                        "process workers (auto: for fedavg/FedBuff on models of 65,536 "
+                        "values or more; off: one fold at a time on the publisher)",
     },
     "SecurityConfig": {
         "join_token": "clients must present this token at Join (empty: none needed)",

@@ -16,7 +16,7 @@ import grpc
 from murmura.protocols import ModelSpec
 from murmura.protocols.tls import is_loopback, server_credentials
 from murmura.server.checkpoint import load_checkpoint
-from murmura.server.config import ServerConfig
+from murmura.server.config import ServerConfig, TierConfig
 from murmura.server.core import VERSIONS_DIR, AggregatorCore, evaluator_for, link_current
 from murmura.server.outputs import RunRecorder
 from murmura.server.publisher import Publisher
@@ -193,6 +193,7 @@ class AggregatorServer:
         self.core.publisher = Publisher(threaded=True)
         self.core.post = loop.call_soon_threadsafe
         self.core.row_extras = self.tier.stats
+        self._fold_in_workers(cfg.tier)
         self.tier.post = loop.call_soon_threadsafe
         self.servicer = AggregatorServicer(self.core, tier=self.tier)
         add_servicer(self.servicer, server)
@@ -212,6 +213,31 @@ class AggregatorServer:
         log.info("aggregator listening on %s (mode=%s, decoding: %s, %s, identities %s)",
                  self.address, cfg.mode, where, link,
                  "required" if security.require_identity else "off")
+
+    def _fold_in_workers(self, tier: TierConfig) -> None:
+        """Workers fold accepted updates into partial aggregates (server/folds.py) when the
+        tier runs local process workers and the rule folds update by update."""
+        from murmura.server.folds import FoldSlots
+        from murmura.server.process_backend import ProcessBackend
+
+        core, backend = self.core, self.tier.backend if self.tier is not None else None
+        if tier.worker_folds == "off" or not isinstance(backend, ProcessBackend) \
+                or core.buffers is not None:
+            return
+        aggregator = core.policy.aggregator
+        if not FoldSlots.suits(aggregator, core.update_size, forced=tier.worker_folds == "on"):
+            return
+        core.folds = folds = FoldSlots(backend, core.decoder, size=core.update_size,
+                                       exact=bool(getattr(aggregator, "exact", False)),
+                                       width=tier.worker_limit)
+        if core.store is not None:  # a damaged partial: the version is folded again
+            folds.rebuild = core.refold
+        # int8/int4/top-k payloads are checked, not decoded, and folded from their bytes
+        self.tier.fuse = not folds.exact  # type: ignore[union-attr]
+        tier_stats = self.tier.stats  # type: ignore[union-attr]
+        core.row_extras = lambda: {**tier_stats(), **folds.stats()}
+        log.info("updates are folded in the workers: up to %d partial aggregates of %.0f MB "
+                 "per version", folds.width, folds.slot_bytes / 1e6)
 
     def _check_done(self) -> None:
         if self.core.done:
@@ -247,6 +273,8 @@ class AggregatorServer:
         if self.tier is not None:
             await self.tier.close()
             self.tier = None
+        if self.core.folds is not None:
+            self.core.folds.close()
 
 
 class ServerThread:

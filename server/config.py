@@ -39,6 +39,9 @@ MODES = ("sync", "async", "compass")
 STALENESS = ("constant", "polynomial", "hinge")
 ACCUMULATORS = ("float32", "exact")
 BACKENDS = ("process", "ray")
+#: auto: fold in the workers when the rule folds update by update and the model is large
+#: enough to be worth a job; on: whenever the rule allows (tests); off: on the publisher.
+WORKER_FOLDS = ("auto", "on", "off")
 ROLES = ("top", "leaf")
 
 
@@ -174,8 +177,12 @@ class TierConfig:
     slab_mb: float = 2048.0        # shared memory for payloads and decoded updates in flight
     backend: str = "process"       # process (local worker processes) or ray
     ray_address: str = ""          # backend ray: a cluster address; empty starts a local Ray
+    worker_folds: str = "auto"     # fold accepted updates in the workers (server/folds.py)
 
     def __post_init__(self) -> None:
+        if self.worker_folds not in WORKER_FOLDS:
+            raise ValueError(f"worker_folds must be one of {WORKER_FOLDS}, got "
+                             f"{self.worker_folds!r}")
         if self.workers < -1:
             raise ValueError(f"workers must be -1 (autoscaled worker processes), 0 (decode "
                              f"in-process) or N > 0 (at most N workers), got {self.workers}")

@@ -76,6 +76,7 @@ from murmura.server.versions import (
 )
 
 if TYPE_CHECKING:
+    from murmura.server.folds import FoldSlots
     from murmura.server.pipeline import PushPipeline
 
 log = logging.getLogger(__name__)
@@ -246,6 +247,10 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
         #: that would take it past ``fold_limit`` is refused (see FOLD_LIMIT).
         self.fold_mass = 0.0
         self.fold_limit = FOLD_LIMIT[config.policy.accumulator]
+        #: Folds in the aggregation workers (server/folds.py), set by the server when its
+        #: tier has process workers and the rule folds update by update; None: the publisher
+        #: folds every update.
+        self.folds: FoldSlots | None = None
         #: Extra figures for the metrics row (the serverless tier's workers and queue).
         self.row_extras: Callable[[], dict[str, Any]] | None = None
         #: Client-level differential privacy (server/privacy.py), None when off.

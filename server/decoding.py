@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,6 +30,10 @@ from murmura.protocols.codecs.seed import SeedCodec
 from murmura.protocols.identity import payload_digest
 from murmura.protocols.pool import seed_pool_for
 from murmura.server.errors import FailedPrecondition, InvalidArgument
+from murmura.server.slabs import SlabRef
+
+if TYPE_CHECKING:
+    from murmura.server.state import SpoolRef
 
 
 @dataclass
@@ -54,6 +59,17 @@ class Decoded:
     #: the buffer rule re-bases its buffers with them (server/model.py, BufferRule).
     base_version: int | None = None
     examples: float = 0.0
+    #: Where ``values`` lie in shared memory (a worker decoded them into a slab), so that a
+    #: worker can fold them without a copy (server/folds.py); None for in-process buffers.
+    shared: SlabRef | None = None
+    #: Set when the payload was checked, not decoded (``values`` is None): the codec that
+    #: folds it straight from ``shared``, the payload's own bytes (server/folds.py).
+    encoded: str | None = None
+    #: Where the payload lies in the durable spool, once taken (server/folds.py rebuilds a
+    #: version from there if the workers' partial aggregate of it is damaged).
+    spooled: SpoolRef | None = None
+    #: The update's codec, set with ``spooled`` when it is taken in.
+    codec: str | None = None
 
     @property
     def is_partial(self) -> bool:
@@ -118,6 +134,25 @@ class Decoder:
         aggregation worker's output slab); partials and pool updates ignore it.
         """
         decoded = self._decode(codec, payload, reference=reference, out=out)
+        if self.hash_payloads:
+            decoded.payload_sha256 = payload_digest(payload)
+        return decoded
+
+    def fusable(self, codec: str) -> bool:
+        """Whether updates in ``codec`` can be checked now and folded from the payload later,
+        never decoded into a model-sized vector (int8, int4, top-k of the model itself)."""
+        return (codec != PARTIAL_CODEC and self.pool is None
+                and getattr(self.codec(codec), "fusable", False))
+
+    def check(self, codec: str, payload: bytes | memoryview) -> Decoded:
+        """What :meth:`decode` checks (and the payload's hash), without decoding: the update
+        is folded from the payload itself. For :meth:`fusable` codecs only."""
+        c = self.codec(codec)
+        try:
+            top = c.check(payload, self.size)
+        except CodecError as exc:
+            raise InvalidArgument(f"payload does not decode: {exc}") from None
+        decoded = Decoded(None, max_abs=top, encoded=codec)
         if self.hash_payloads:
             decoded.payload_sha256 = payload_digest(payload)
         return decoded

@@ -317,6 +317,8 @@ class IntakeJob:
             trained = (self.client_train.add(header.metrics, header.num_examples)
                        if self.client_train is not None else None)  # server/client_train.py
             decoded.base_version = header.base_version
+            decoded.spooled = spooled  # a version folded in workers can be rebuilt from it
+            decoded.codec = header.codec
             decoded.examples = float(header.num_examples)
             try:
                 self.policy.accept(rec, header, decoded, staleness, release)

@@ -142,6 +142,17 @@ class ProcessBackend(WorkerLifecycle, FunctionBackend):
     # -- public -------------------------------------------------------------------------------
 
     async def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        return await self._run(fn, args, kwargs, urgent=False)
+
+    async def run_now(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`run` for work that was already promised: never refused with QueueFull, and
+        queued ahead of ordinary jobs. The tier folds accepted updates this way (a fold
+        cannot be answered "busy, retry": its update is taken), and a fold ahead of decodes
+        frees the slabs the decodes are waiting for."""
+        return await self._run(fn, args, kwargs, urgent=True)
+
+    async def _run(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                   kwargs: dict[str, Any], *, urgent: bool) -> Any:
         if self._closed:
             raise BackendClosed("the process backend is closed")
         loop = self._bind()
@@ -153,12 +164,15 @@ class ProcessBackend(WorkerLifecycle, FunctionBackend):
             self._dispatch(worker, job, warm=True)
         else:
             can_start = self._live() < self.max_workers
-            if not can_start and len(self._queue) - self._starting >= self.max_queue:
+            if urgent:
+                self._queue.appendleft(job)
+            elif not can_start and len(self._queue) - self._starting >= self.max_queue:
                 self.rejected += 1
                 raise QueueFull(
                     f"all {self.max_workers} workers are busy and {len(self._queue)} jobs wait "
                     f"(max_queue={self.max_queue}); retry shortly")
-            self._queue.append(job)
+            else:
+                self._queue.append(job)
             self._ensure_capacity()
         self.jobs_submitted += 1
         try:

@@ -104,6 +104,15 @@ def decode_job(decoder: Decoder, codec: str, payload: SlabRef | bytes, reference
     return write_out(out, array, meta)
 
 
+def check_payload_job(decoder: Decoder, codec: str, payload: SlabRef | bytes) -> DecodedMeta:
+    """The aggregation function for an update that a worker will fold straight from its
+    payload (server/folds.py): check it as decoding would, write nothing."""
+    torch.set_num_threads(1)
+    decoded = decoder.check(codec, resolve(payload))
+    return DecodedMeta(in_place=False, n_values=0, weight=None, count=1, exact=False,
+                       max_abs=decoded.max_abs, payload_sha256=decoded.payload_sha256)
+
+
 def output_nbytes(decoder: Decoder, codec: str, head: bytes | memoryview) -> int:
     """How many bytes :func:`decode_job` writes for a payload that starts with ``head``."""
     if codec == PARTIAL_CODEC:
@@ -135,6 +144,9 @@ class Tier:
         self._retired: dict[int, Slab] = {}      # dropped from the cache, still being read
         self.decoded = 0
         self.decode_s = 0.0
+        #: Check fusable payloads (int8, int4, top-k) instead of decoding them: set by the
+        #: server when workers fold the updates straight from their payloads (server/folds.py).
+        self.fuse = False
         #: Runs a function on the gateway's event loop (set by the server): in-process receive
         #: buffers are released there, after the push handler has dropped its references.
         self.post: Callable[[Callable[[], object]], object] = lambda fn: fn()
@@ -156,6 +168,7 @@ class Tier:
             backend = ProcessBackend(limit, idle_s=config.worker_idle_s,
                                      max_queue=config.max_queue,
                                      preload=("murmura.server.tier",
+                                              "murmura.server.folds",
                                               "murmura.server.worker_process"))
         return cls(config, decoder, backend=backend)
 
@@ -225,6 +238,8 @@ class Tier:
         assert isinstance(lease, Slab) and self.slabs is not None
         slabs = self.slabs
         payload = lease.buf[:header.payload_bytes]
+        if self.fuse and self.decoder.fusable(header.codec):
+            return await self._check(header, lease, t0)
         out_bytes = output_nbytes(self.decoder, header.codec, payload[:24])
         if header.codec == DENSE:
             out, out_ref = None, OutRef(lease.name, 0, header.payload_bytes)
@@ -283,6 +298,33 @@ class Tier:
                 self._drop_reference_user(reference_version)
         self._count(t0)
         return self._rebuild(meta, lease, out, header.payload_bytes), release_both
+
+    async def _check(self, header: UpdateHeader, lease: Slab, t0: float
+                     ) -> tuple[Decoded, Callable[[], None]]:
+        """A worker checks the payload; the update stays in ``lease`` until it is folded."""
+        assert self.backend is not None and self.slabs is not None
+        slabs = self.slabs
+        ref = lease.ref(0, header.payload_bytes)
+        job = asyncio.ensure_future(self.backend.run(check_payload_job, self.decoder,
+                                                     header.codec, ref))
+        try:
+            meta = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(lambda _: slabs.release(lease))  # the worker may still read
+            raise
+        except QueueFull as exc:
+            slabs.release(lease)
+            raise self._busy(str(exc)) from None
+        except BaseException:
+            slabs.release(lease)
+            raise
+        self._count(t0)
+        decoded = Decoded(None, max_abs=meta.max_abs, payload_sha256=meta.payload_sha256,
+                          shared=ref, encoded=header.codec)
+
+        def release() -> None:
+            slabs.release(lease)
+        return decoded, release
 
     def decode_inline(self, header: UpdateHeader, lease: ReceiveBuffer | Slab,
                       reference: FlatVector | None) -> tuple[Decoded, Callable[[], None]]:
@@ -350,10 +392,12 @@ class Tier:
             lo = np.frombuffer(out.buf, dtype=np.int64, count=n, offset=8 * n)
             return Decoded(None, weight=meta.weight, count=meta.count, limbs=(hi, lo),
                            max_abs=meta.max_abs, payload_sha256=meta.payload_sha256)
-        source = lease.buf[:payload_bytes] if meta.in_place or out is None else out.buf
+        home = lease if meta.in_place or out is None else out
+        source = lease.buf[:payload_bytes] if home is lease else out.buf  # type: ignore[union-attr]
         values = np.frombuffer(source, dtype=np.float32, count=meta.n_values)
         return Decoded(values, weight=meta.weight, count=meta.count, max_abs=meta.max_abs,
-                       payload_sha256=meta.payload_sha256)
+                       payload_sha256=meta.payload_sha256,
+                       shared=home.ref(0, 4 * meta.n_values))
 
     def _reference_slab(self, version: int, params: FlatVector) -> Slab:
         """Version ``version`` in shared memory, copied once and kept for a few versions."""
@@ -415,4 +459,5 @@ def _nothing_to_release() -> None:
     pass
 
 
-__all__ = ["RETRY_AFTER_S", "DecodedMeta", "Tier", "decode_job", "output_nbytes"]
+__all__ = ["RETRY_AFTER_S", "DecodedMeta", "Tier", "check_payload_job", "decode_job",
+           "output_nbytes"]

@@ -34,6 +34,7 @@ from murmura.server.errors import (
 )
 from murmura.server.model import BufferRule
 from murmura.server.outputs import clean_row
+from murmura.server.policy import fold_into
 from murmura.server.pool import PoolState
 from murmura.server.privacy import PrivacyBudgetSpent
 from murmura.server.state import (
@@ -44,7 +45,7 @@ from murmura.server.steadiness import SwingWatch, swing_advice
 from murmura.server.store import fsync_dir
 
 if TYPE_CHECKING:
-    pass
+    from murmura.server.folds import FoldRecord, FoldSlots
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class VersionsJob:
     _pool_scalars: FlatVector
     buffers: BufferRule | None
     swings: SwingWatch
+    folds: FoldSlots | None
 
     if TYPE_CHECKING:  # the core's state, typed where AggregatorCore declares it
         def __getattr__(self, name: str) -> Any: ...
@@ -159,7 +161,16 @@ class VersionsJob:
              release: Callable[[], None] | None = None, **kwargs: Any) -> None:
         """Run ``fn(decoded, *args, **kwargs)`` (an accumulator update) on the publisher, after
         the jobs before it; then ``release``, with no reference to ``decoded`` left here (a
-        receive buffer is reused only when nothing else holds it)."""
+        receive buffer is reused only when nothing else holds it).
+
+        With :attr:`folds` (a weighted mean on a worker tier) the fold of an update whose
+        values lie in shared memory runs in a worker instead, into a partial aggregate that
+        the version's publish merges (server/folds.py)."""
+        folds = self.folds
+        if folds is not None and fn is fold_into and self.buffers is None:
+            if folds.try_fold(decoded, *args, release=release, **kwargs):
+                return
+            folds.dense(decoded)  # it was only checked, for a fold in a worker
         box = [decoded]
 
         def run() -> None:
@@ -176,6 +187,18 @@ class VersionsJob:
         # not bad input: it is logged and the update is not in the aggregate.
         self.publisher.post(run, what="folding an update (it is not in the aggregate)")
 
+    def refold(self, records: list[FoldRecord], aggregator: Aggregator) -> None:
+        """On the publisher: fold a version's updates again from their spooled payloads, in
+        the policy's order (the workers' partial aggregate of it was damaged)."""
+        assert self.store is not None
+        for r in records:
+            assert r.codec is not None and r.spooled is not None
+            payload = memoryview(bytearray(self.store.read_payload(r.spooled)))
+            reference = (self._history.get(r.base_version)
+                         if self.decoder.needs_reference(r.codec) else None)
+            decoded = self.decoder.decode(r.codec, payload, reference=reference)
+            fold_into(decoded, aggregator, r.weight, factor=r.factor, client_id=r.client_id)
+
     def publish(self, aggregator: Aggregator, *, updates: int,
                 round_id: int = 0, detail: dict[str, Any] | None = None) -> None:
         """Make what ``aggregator`` holds the next global version (a leaf: send it upstream).
@@ -187,12 +210,19 @@ class VersionsJob:
         """
         self.publishing += 1
         self.fold_mass = 0.0  # later folds go into the next aggregate (the publisher is FIFO)
+        folds = self.folds
+        epoch = folds.seal() if folds is not None else None  # the workers' partials
         if self.forward is not None:
             forward = self.forward
             self.client_evals.flush()  # a leaf writes no rows; its parent's clients report
             if self.client_train is not None:
                 self.client_train.flush()
-            self.publisher.submit(lambda: forward(aggregator, updates))
+
+            def send() -> None:
+                if folds is not None:
+                    folds.finish(epoch, aggregator)
+                forward(aggregator, updates)
+            self.publisher.submit(send)
             return
         row: dict[str, Any] = {
             "round": round_id,
@@ -215,16 +245,19 @@ class VersionsJob:
             row.update(self.privacy.plan(len(getattr(self.policy, "cohort", ())),
                                          len(self.sessions)))
         seqs, self._batch = self._batch, []
-        fut = self.publisher.submit(lambda: self._make_version(aggregator, row, seqs))
+        fut = self.publisher.submit(lambda: self._make_version(aggregator, row, seqs, epoch))
         fut.add_done_callback(lambda f: self.post(lambda: self._install(f)))
         self.publishes += 1
         self.last_publish = fut
 
     def _make_version(self, aggregator: Aggregator, row: dict[str, Any],
-                      seqs: list[int] | None = None) -> tuple[FlatVector, dict[str, Any], Any]:
+                      seqs: list[int] | None = None, epoch: Any = None
+                      ) -> tuple[FlatVector, dict[str, Any], Any]:
         """On the publisher thread: aggregate, step, evaluate, record, checkpoint."""
         t0 = time.perf_counter()
         try:
+            if epoch is not None and self.folds is not None:  # the workers' partials first
+                self.folds.finish(epoch, aggregator)
             if self.privacy is not None:  # PrivacyBudgetSpent: over --dp-target-epsilon
                 self.privacy.admit(aggregator, row, self._pub_version + 1)
             try:

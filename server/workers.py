@@ -78,6 +78,11 @@ class FunctionBackend(ABC):
     async def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, run by this backend."""
 
+    async def run_now(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`run` for work already promised (a fold of an accepted update): a backend
+        with a bounded queue must neither refuse it nor queue it behind ordinary jobs."""
+        return await self.run(fn, *args, **kwargs)
+
     @abstractmethod
     def stats(self) -> dict[str, Any]:
         """Counters for logs and metrics."""

@@ -94,6 +94,35 @@ class Codec(ABC):
         """Exact or upper bound on a payload's size for ``size`` values, when known."""
         return None
 
+    #: True when the codec can check a payload without decoding it (:meth:`check`) and fold
+    #: it straight into an accumulator (:meth:`fold_into`): no model-sized temporary per
+    #: update on the server.
+    fusable: ClassVar[bool] = False
+
+    def check(self, payload: bytes | memoryview, size: int) -> float:
+        """Check ``payload`` as :meth:`decode_bounded` does, without writing the update; the
+        largest ``|value|`` it holds (every value is then finite). Fusable codecs only."""
+        raise NotImplementedError(f"codec {self.name!r} cannot check without decoding")
+
+    def fold_into(self, payload: bytes | memoryview, old: FlatVector, new: FlatVector,
+                  alpha: float) -> bool:
+        """Fold ``alpha * update`` into an accumulator, for a payload :meth:`check` accepted.
+
+        Writes ``old + alpha * update`` into ``new`` and returns False, or, where the update
+        touches few values, adds into ``old`` in place (``new`` untouched) and returns True.
+        Either way the result equals decoding first and adding with ``alpha`` after, bit for
+        bit. Fusable codecs only.
+        """
+        raise NotImplementedError(f"codec {self.name!r} cannot fold without decoding")
+
+    def sparse(self, payload: bytes | memoryview, size: int
+               ) -> tuple[npt.NDArray[np.int64], FlatVector] | None:
+        """``(indices, values)`` of an update that sets few values (unique indices), for a
+        payload :meth:`check` accepted; None for a dense codec. A server folds such an update
+        in place, keeping the values it overwrites so that a retried fold can undo a partial
+        one (server/folds.py)."""
+        return None
+
 
 _REGISTRY: dict[str, type[Codec]] = {}
 

@@ -128,11 +128,49 @@ class _QuantCodec(Codec):
         codes, scales = self._decode_codes(payload, out)
         return out, _max_abs(codes, scales, self.block, self.levels)
 
-    def _decode_codes(self, payload: bytes | memoryview, out: FlatVector
-                      ) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float32]]:
-        """Check the payload, write ``code * scale`` into ``out``; the checked codes and
-        scales (every value is then finite: scales are capped at float32 max / L)."""
-        size = out.size
+    fusable = True
+
+    def check(self, payload: bytes | memoryview, size: int) -> float:
+        codes, scales = self._checked(payload, size)
+        return _max_abs(codes, scales, self.block, self.levels)
+
+    def fold_into(self, payload: bytes | memoryview, old: FlatVector, new: FlatVector,
+                  alpha: float) -> bool:
+        """``new = old + alpha * (code * scale)``, a few blocks at a time: the products go
+        through a cache-sized buffer, not a model-sized one, and are the decoder's exact
+        float32 values, added with torch's ``alpha`` as a dense fold adds them."""
+        size = old.size
+        codes, scales = self._checked(payload, size, validate=False)  # check() saw these bytes
+        if not codes.flags.writeable:  # a bytes payload (tests): torch wants writable memory
+            codes = codes.copy()
+        if not scales.flags.writeable:
+            scales = scales.copy()
+        block = self.block
+        rows = max(1, _FOLD_CHUNK // block)
+        nfull = size // block
+        with one_torch_thread():
+            codes_t = torch.from_numpy(codes)
+            scales_t = torch.from_numpy(scales)
+            old_t, new_t = torch.from_numpy(old), torch.from_numpy(new)
+            buf = torch.empty(min(rows, max(nfull, 1)) * block)
+            for r0 in range(0, nfull, rows):
+                r1 = min(r0 + rows, nfull)
+                a, b = r0 * block, r1 * block
+                tmp = buf[: b - a]
+                tmp.copy_(codes_t[a:b])
+                tmp.view(r1 - r0, block).mul_(scales_t[r0:r1, None])
+                torch.add(old_t[a:b], tmp, alpha=alpha, out=new_t[a:b])
+            full = nfull * block
+            if full < size:
+                tail = codes_t[full:].to(torch.float32).mul_(scales_t[-1])
+                torch.add(old_t[full:], tail, alpha=alpha, out=new_t[full:])
+        return False
+
+    def _checked(self, payload: bytes | memoryview, size: int, *, validate: bool = True
+                 ) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float32]]:
+        """The payload's codes and block scales, checked (every ``code * scale`` is then
+        finite: scales are capped at float32 max / L). ``validate=False`` skips the pass over
+        the codes, for bytes already checked."""
         check_size(self.name, size)
         check_header(self.name, payload, tag=self.tag, flags=self._flags)
         check_payload_length(self.name, payload, self.max_payload_bytes(size))
@@ -147,10 +185,18 @@ class _QuantCodec(Codec):
         codes = self._unpack_codes(payload, offset, size)
         limit = self.levels
         # Two reductions and no temporaries; the index of a bad code is found only when needed.
-        if size and (int(codes.min()) < -limit or int(codes.max()) > limit):
+        if validate and size and (int(codes.min()) < -limit or int(codes.max()) > limit):
             bad = int(np.argmax((codes < -limit) | (codes > limit)))
             raise CodecError(f"codec {self.name!r}: code {int(codes[bad])} at index {bad} is "
                              f"outside [-{limit}, {limit}]")
+        return codes, scales
+
+    def _decode_codes(self, payload: bytes | memoryview, out: FlatVector
+                      ) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float32]]:
+        """Check the payload, write ``code * scale`` into ``out``; the checked codes and
+        scales."""
+        size = out.size
+        codes, scales = self._checked(payload, size)
         # code * scale in one pass, straight into out (int8 -> float32 is exact, so this is
         # bit-identical to converting first and scaling after)
         full = (size // self.block) * self.block
@@ -184,6 +230,9 @@ def _scale_codes(codes: npt.NDArray[np.int8], scales: npt.NDArray[np.float32],
         target.copy_(torch.from_numpy(codes))
         target.mul_(torch.from_numpy(scales))
 
+
+#: Values per step of :meth:`_QuantCodec.fold_into`: a 1 MB float32 buffer stays in L2.
+_FOLD_CHUNK = 1 << 18
 
 #: Rows whose largest code :func:`_max_abs` reads first (those with the largest scales).
 _FIRST_ROWS = 16

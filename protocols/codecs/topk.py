@@ -146,7 +146,14 @@ class TopKCodec(Codec):
 
     def decode_into(self, payload: bytes | memoryview, out: FlatVector, *,
                     reference: FlatVector | None = None) -> FlatVector:
-        size = out.size
+        indices, values = self._parse(payload, out.size)
+        out.fill(0.0)
+        out[indices] = values
+        return out
+
+    def _parse(self, payload: bytes | memoryview, size: int
+               ) -> tuple[npt.NDArray[np.int64], FlatVector]:
+        """The payload's strictly increasing indices and their values, checked."""
         check_size(self.name, size)
         check_header(self.name, payload, tag=_TAG, flags=self._flags)
         check_payload_length(self.name, payload, self.max_payload_bytes(size))
@@ -154,9 +161,25 @@ class TopKCodec(Codec):
         values = read_floats(self.name, payload, HEADER_BYTES, k, self.value_dtype, "value")
         indices = elias_fano_decode(self.name, payload,
                                     HEADER_BYTES + k * self.value_dtype.itemsize, size, k)
-        out.fill(0.0)
-        out[indices] = values
-        return out
+        return indices, values
+
+    fusable = True
+
+    def check(self, payload: bytes | memoryview, size: int) -> float:
+        _, values = self._parse(payload, size)  # read_floats refuses NaN and Inf
+        return float(np.max(np.abs(values))) if values.size else 0.0
+
+    def sparse(self, payload: bytes | memoryview, size: int
+               ) -> tuple[npt.NDArray[np.int64], FlatVector]:
+        indices, values = self._parse(payload, size)
+        return indices, values.astype(np.float32, copy=False)
+
+    def fold_into(self, payload: bytes | memoryview, old: FlatVector, new: FlatVector,
+                  alpha: float) -> bool:
+        """``old[i] += alpha * value_i`` at the k indices, in place (returns True)."""
+        indices, values = self.sparse(payload, old.size)
+        old[indices] += np.float32(alpha) * values
+        return True
 
 
 class _TopKEncoder(Encoder):

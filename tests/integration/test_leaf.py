@@ -57,10 +57,11 @@ def top_config(accumulator: str, min_clients: int, leaf_keys: str = "") -> Serve
 
 
 def leaf_config(upstream: str, name: str, accumulator: str, keys: Path,
-                leaf_keys: str = "") -> ServerConfig:
+                leaf_keys: str = "", **tier: object) -> ServerConfig:
+    tier = {"workers": 0, **tier}
     return ServerConfig.from_flat(role="leaf", upstream=upstream, name=name, min_clients=2,
-                                  accumulator=accumulator, workers=0, key=str(keys / f"{name}.key"),
-                                  leaf_keys=leaf_keys)
+                                  accumulator=accumulator, key=str(keys / f"{name}.key"),
+                                  leaf_keys=leaf_keys, **tier)
 
 
 def leaf_keys(keys: Path, *names: str) -> str:
@@ -88,7 +89,8 @@ def flat_run(accumulator: str) -> np.ndarray:
     return params
 
 
-def hierarchical_run(accumulator: str, keys: Path) -> tuple[np.ndarray, dict]:
+def hierarchical_run(accumulator: str, keys: Path, **leaf_tier: object
+                     ) -> tuple[np.ndarray, dict]:
     core = build_core(top_config(accumulator, 1, leaf_keys(keys, "middle")), TASK, out_dir=None,
                       evaluate=False)
     servers: list[ServerThread] = []
@@ -98,8 +100,8 @@ def hierarchical_run(accumulator: str, keys: Path) -> tuple[np.ndarray, dict]:
         middle = ServerThread(Leaf(leaf_config(top.address, "middle", accumulator, keys,
                                                leaf_keys(keys, "leaf-a", "leaf-b")), TASK))
         servers.append(middle.start())
-        leaves = [ServerThread(Leaf(leaf_config(middle.address, f"leaf-{x}", accumulator, keys),
-                                    TASK))
+        leaves = [ServerThread(Leaf(leaf_config(middle.address, f"leaf-{x}", accumulator, keys,
+                                                **leaf_tier), TASK))
                   for x in "ab"]
         for leaf in leaves:
             servers.append(leaf.start())
@@ -107,6 +109,9 @@ def hierarchical_run(accumulator: str, keys: Path) -> tuple[np.ndarray, dict]:
         assert top.wait_done(timeout=120)
         params = top.call(lambda: core.params.copy())
         metrics = top.call(lambda: dict(core.last_metrics))
+        metrics["leaf_worker_folds"] = sum(
+            leaf.call(lambda leaf=leaf: leaf.server.core.folds.folded
+                      if leaf.server.core.folds is not None else 0) for leaf in leaves)
         for th in threads:
             th.join(30)
     finally:
@@ -119,6 +124,16 @@ def test_three_levels_give_the_flat_run_s_model_bit_for_bit_with_exact_sums(tmp_
     flat = flat_run("exact")
     tree, metrics = hierarchical_run("exact", tmp_path)
     assert metrics["version"] == VERSIONS and metrics["updates_in_version"] == 4
+    assert np.array_equal(flat, tree)
+
+
+def test_leaves_that_fold_in_their_workers_forward_the_same_partials(tmp_path) -> None:
+    """The bottom leaves fold their clients' updates in worker processes (server/folds.py):
+    the partials they forward give the flat run's model bit for bit (exact sums)."""
+    flat = flat_run("exact")
+    tree, metrics = hierarchical_run("exact", tmp_path, workers=2, worker_folds="on")
+    assert metrics["version"] == VERSIONS
+    assert metrics["leaf_worker_folds"] == 4 * VERSIONS
     assert np.array_equal(flat, tree)
 
 
