@@ -203,6 +203,8 @@ class DPMean(Aggregator):
         self._below = 0
         self._skipped = 0
         self._pending: Release | None = None
+        #: Contributions in a sum the clients noised themselves (0: central noise here).
+        self._distributed = 0
 
     # -- planning -----------------------------------------------------------------------------
 
@@ -246,6 +248,23 @@ class DPMean(Aggregator):
             self._seen.add(client_id)
         self._below += norm <= self.clip
 
+    def add_noised_sum(self, total: FlatVector, contributions: int) -> None:
+        """Take the sum of ``contributions`` updates that the clients clipped to ``clip`` and
+        noised themselves (distributed DP under secure aggregation, where no single party
+        sees an un-noised sum): it enters as it is, and :meth:`result` adds no noise of its
+        own. The clients' shares are sized so that the noise on the sum has std at least
+        ``noise_multiplier * clip``, which is what the ledger records."""
+        self._check(total, 1.0, 1.0)
+        if self.adaptive is not None:
+            raise AggregationError("the adaptive clip needs each update's norm; a noised sum "
+                                   "has none")
+        if isinstance(contributions, bool) or not isinstance(contributions, int) \
+                or contributions < 1:
+            raise AggregationError(f"contributions must be an integer >= 1, got "
+                                   f"{contributions!r}")
+        self.inner.add(total, 1.0)
+        self._distributed += contributions
+
     def result(self) -> FlatVector:
         n = self.inner.count
         if n == 0:
@@ -259,7 +278,7 @@ class DPMean(Aggregator):
                                           self.adaptive.count_noise)
         z_delta = delta_noise_multiplier(self.noise_multiplier, count_noise)
         std_sum = z_delta * self.clip
-        if std_sum > 0:
+        if std_sum > 0 and not self._distributed:  # distributed: the clients added it
             rng = np.random.default_rng([self.seed, self.releases, 0])
             total = total + rng.standard_normal(self.size) * std_sum
         out = (total / self._expected).astype(np.float32)
@@ -275,7 +294,8 @@ class DPMean(Aggregator):
         self._pending = Release(
             clip=self.clip, noise_multiplier=self.noise_multiplier, delta_multiplier=z_delta,
             noise_std=std_sum / self._expected, expected=self._expected,
-            sampling_rate=self._rate, contributions=n, skipped=self._skipped,
+            sampling_rate=self._rate, contributions=self._distributed or n,
+            skipped=self._skipped,
             below_clip=below, next_clip=next_clip)
         return out
 
@@ -294,6 +314,7 @@ class DPMean(Aggregator):
         self._seen.clear()
         self._below = 0
         self._skipped = 0
+        self._distributed = 0
 
     @property
     def count(self) -> int:

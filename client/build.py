@@ -89,7 +89,8 @@ def build_client(cfg: ClientConfig, task_cfg: TaskConfig, transport: Transport, 
                          update_hook=attack.update,
                          retry=RetryPolicy(give_up_after_s=cfg.give_up_after_s),
                          give_up_unreached_s=cfg.give_up_unreached_s,
-                         on_ack=ack_logger(cfg.ack_log) if cfg.ack_log else None)
+                         on_ack=ack_logger(cfg.ack_log) if cfg.ack_log else None,
+                         require_secagg=cfg.secure_aggregation)
 
 
 def ack_logger(path: str) -> Callable[[str, PushResult], None]:

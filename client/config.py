@@ -56,6 +56,10 @@ class ClientConfig:
     zo_lr: float = field(default=0.005, metadata={"help": (
         "step size of this client's zeroth-order steps when it trains zeroth-order under a "
         "first-order server (--trainer auto or zo)")})
+    secure_aggregation: bool = field(default=False, metadata={"help": (
+        "insist on secure aggregation: refuse to train for a server that does not run it, "
+        "so this client's updates never leave it unmasked (docs/privacy.md). Without the "
+        "flag the client follows the server either way")})
 
     def __post_init__(self) -> None:
         if ":" not in self.server:

@@ -27,6 +27,7 @@ from murmura.client.rules import (
     make_encoder,
     run_is_over,
 )
+from murmura.client.secagg import SecAggClient, SecAggRefused, StepHook, run_round
 from murmura.client.trainer import Trainer, delta_of
 from murmura.client.transport import RemoteError, Transport
 from murmura.protocols import (
@@ -43,6 +44,7 @@ from murmura.protocols import (
 from murmura.protocols.codecs.seed import SeedPool, pool_model
 from murmura.protocols.identity import NodeKey, payload_digest
 from murmura.protocols.pool import seed_pool_for
+from murmura.protocols.secagg.weighted import SecAggParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,7 +104,8 @@ class ClientRuntime:
                  update_ids: UpdateIds | None = None,
                  on_ack: Callable[[str, PushResult], None] | None = None,
                  fatal_refusals: frozenset[str] = frozenset(),
-                 give_up_unreached_s: float | None = None) -> None:
+                 give_up_unreached_s: float | None = None,
+                 require_secagg: bool = False) -> None:
         self.transport = transport
         self.trainer = trainer
         if identity is None and not client_id:
@@ -149,6 +152,12 @@ class ClientRuntime:
         self._rand = jitter_rng(client_id)  # the backoff's jitter
         self._pool: SeedPool | None = None
         self._pool_base: tuple[int, FlatVector] | None = None  # (base_version, base)
+        #: The run's secure-aggregation encoding (from Join), None when the run has none.
+        self.secagg: SecAggParams | None = None
+        #: Tests: called with each SecAgg step's name before the client takes it.
+        self.secagg_hook: StepHook | None = None
+        #: Refuse a server without secure aggregation (``murmura client --secure-aggregation``).
+        self.require_secagg = require_secagg
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -165,8 +174,16 @@ class ClientRuntime:
             raise ValueError(f"the server trains model spec {spec.fingerprint()} "
                              f"({spec.size} values); this client's model is "
                              f"{self.trainer.spec.fingerprint()} ({self.trainer.spec.size} values)")
+        if self.require_secagg and result.secagg is None:
+            try:  # this client only sends masked updates: end the session it was given
+                self.transport.leave(result.session)
+            except RemoteError:
+                pass
+            raise ValueError("the server does not run secure aggregation, and this client "
+                             "requires it (--secure-aggregation): nothing was sent")
         first = not self.session
         self.session, self.settings, self.spec = result.session, result.settings, spec
+        self.secagg = result.secagg
         self._pool = seed_pool_for(result.settings)
         if first or self._encoder is None:
             self._encoder = make_encoder(result.settings, spec.size, self.client_id,
@@ -277,6 +294,9 @@ class ClientRuntime:
         t_train = self.clock()
         result = self.trainer.train(base, settings, seed=seed)  # reads, never writes base
         train_s = self.clock() - t_train
+        if self.secagg is not None:
+            self._secagg_round(round_, version, base, result.params, result.num_examples)
+            return
         if result.encoded is not None:
             codec, payload = result.encoded
         else:
@@ -330,6 +350,36 @@ class ClientRuntime:
             self.on_task(TaskReport(version, result.num_examples, metrics, True,
                                     staleness=int(getattr(reply, "staleness", 0)),
                                     duplicate=bool(getattr(reply, "duplicate", False))))
+
+    def _secagg_round(self, round_: int, version: int, base: FlatVector,
+                      params: FlatVector | None, examples: int) -> None:
+        """Send the update masked, through the round's SecAgg+ steps (client/secagg.py)."""
+        assert self.secagg is not None
+        self.stats.tasks += 1
+        if params is None:
+            raise ValueError("secure aggregation masks the trained model's delta; this "
+                             "trainer sends encoded updates")
+        update = delta_of(params, base)
+        if self.update_hook is not None:
+            update = self.update_hook(update)
+        client = SecAggClient(self.client_id, round_, self.secagg, identity=self.identity,
+                              require_identity=self.identity is not None)
+        try:
+            stage = run_round(self.transport.secagg_link(), session=self.session,
+                              round_id=round_, client=client, update=update,
+                              examples=max(examples, 1), base_version=version,
+                              spec_fingerprint=self.trainer.spec.fingerprint(),
+                              identity=self.identity, wait_s=max(self.wait_s, 1.0),
+                              hook=self.secagg_hook)
+        except (RemoteError, SecAggRefused) as exc:
+            self.stats.refused += 1
+            self.stats.refusals.append(getattr(exc, "status", "SECAGG_REFUSED"))
+            log.warning("%s: secure-aggregation round %d failed: %s", self.client_id, round_,
+                        exc)
+            return
+        if stage == "DONE":
+            self.stats.pushed += 1
+        log.info("%s: secure-aggregation round %d ended %s", self.client_id, round_, stage)
 
     def _choose_codec(self, payload_bytes: int, push_s: float, train_s: float) -> None:
         """``codec='auto'``: pick the codec for the next updates from this push's speed."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -29,6 +30,9 @@ from murmura.protocols import murmura_pb2_grpc as pb_grpc
 from murmura.protocols.identity import NodeKey
 from murmura.protocols.pool import POOL_SCALARS_CODEC
 from murmura.protocols.tls import ClientTls, channel_credentials, is_loopback, spoken_protocol
+
+if TYPE_CHECKING:
+    from murmura.client.secagg import SecAggLink
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +102,10 @@ class Transport(ABC):
 
     @abstractmethod
     def leave(self, session: str) -> None: ...
+
+    def secagg_link(self) -> SecAggLink:
+        """The SecureAggregation steps over this transport (docs/privacy.md)."""
+        raise RemoteError("UNIMPLEMENTED", f"{type(self).__name__} has no secure aggregation")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
@@ -339,6 +347,11 @@ class GrpcTransport(Transport):
         self._bytes_up += sum(serde.data_chunk_wire_bytes(len(c)) if isinstance(c, memoryview)
                               else c.ByteSize() for c in items)
         return serde.push_result_from_proto(reply)
+
+    def secagg_link(self) -> SecAggLink:
+        from murmura.client.secagg import SecAggLink
+
+        return SecAggLink(self._channel, timeout_s=self.timeout_s, chunk_bytes=self.chunk_bytes)
 
     def leave(self, session: str) -> None:
         try:

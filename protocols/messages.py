@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from murmura.protocols.secagg.weighted import SecAggParams
+
 #: 2: updates are signed over every header field (identity.signed_update_message); a client
 #: of protocol 1 signs fewer fields, so it is refused at Join with a clear reason.
 PROTOCOL_VERSION = 2
@@ -129,6 +131,8 @@ class JoinResult:
     settings: TaskSettings
     mode: str
     max_payload_bytes: int
+    #: The run's secure-aggregation encoding, None when the run does not use it.
+    secagg: SecAggParams | None = None
 
 
 # -- gossip mode ------------------------------------------------------------------------------

@@ -110,18 +110,20 @@ class ChallengeReply(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("session", "settings", "spec", "mode", "max_payload_bytes")
+    __slots__ = ("session", "settings", "spec", "mode", "max_payload_bytes", "secagg")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_FIELD_NUMBER: _ClassVar[int]
     session: str
     settings: TaskSettings
     spec: ModelSpec
     mode: str
     max_payload_bytes: int
-    def __init__(self, session: _Optional[str] = ..., settings: _Optional[_Union[TaskSettings, _Mapping]] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., mode: _Optional[str] = ..., max_payload_bytes: _Optional[int] = ...) -> None: ...
+    secagg: SecAggParams
+    def __init__(self, session: _Optional[str] = ..., settings: _Optional[_Union[TaskSettings, _Mapping]] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., mode: _Optional[str] = ..., max_payload_bytes: _Optional[int] = ..., secagg: _Optional[_Union[SecAggParams, _Mapping]] = ...) -> None: ...
 
 class TaskRequest(_message.Message):
     __slots__ = ("session", "wait_s")
@@ -253,6 +255,154 @@ class LeaveRequest(_message.Message):
 class LeaveReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SecAggParams(_message.Message):
+    __slots__ = ("enabled", "bits", "clip", "max_weight", "dp_clip", "dp_noise_multiplier")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FIELD_NUMBER: _ClassVar[int]
+    MAX_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DP_CLIP_FIELD_NUMBER: _ClassVar[int]
+    DP_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    bits: int
+    clip: float
+    max_weight: float
+    dp_clip: float
+    dp_noise_multiplier: float
+    def __init__(self, enabled: _Optional[bool] = ..., bits: _Optional[int] = ..., clip: _Optional[float] = ..., max_weight: _Optional[float] = ..., dp_clip: _Optional[float] = ..., dp_noise_multiplier: _Optional[float] = ...) -> None: ...
+
+class SecAggKeys(_message.Message):
+    __slots__ = ("session", "round", "mask_public_key", "enc_public_key", "self_commitment", "signature")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MASK_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    ENC_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SELF_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    round: int
+    mask_public_key: bytes
+    enc_public_key: bytes
+    self_commitment: bytes
+    signature: bytes
+    def __init__(self, session: _Optional[str] = ..., round: _Optional[int] = ..., mask_public_key: _Optional[bytes] = ..., enc_public_key: _Optional[bytes] = ..., self_commitment: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class SecAggCiphertext(_message.Message):
+    __slots__ = ("peer", "ciphertext")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    CIPHERTEXT_FIELD_NUMBER: _ClassVar[int]
+    peer: int
+    ciphertext: bytes
+    def __init__(self, peer: _Optional[int] = ..., ciphertext: _Optional[bytes] = ...) -> None: ...
+
+class SecAggShares(_message.Message):
+    __slots__ = ("session", "round", "shares")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    round: int
+    shares: _containers.RepeatedCompositeFieldContainer[SecAggCiphertext]
+    def __init__(self, session: _Optional[str] = ..., round: _Optional[int] = ..., shares: _Optional[_Iterable[_Union[SecAggCiphertext, _Mapping]]] = ...) -> None: ...
+
+class SecAggShare(_message.Message):
+    __slots__ = ("owner", "key", "y")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    Y_FIELD_NUMBER: _ClassVar[int]
+    owner: int
+    key: bool
+    y: bytes
+    def __init__(self, owner: _Optional[int] = ..., key: _Optional[bool] = ..., y: _Optional[bytes] = ...) -> None: ...
+
+class SecAggUnmask(_message.Message):
+    __slots__ = ("session", "round", "shares")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    round: int
+    shares: _containers.RepeatedCompositeFieldContainer[SecAggShare]
+    def __init__(self, session: _Optional[str] = ..., round: _Optional[int] = ..., shares: _Optional[_Iterable[_Union[SecAggShare, _Mapping]]] = ...) -> None: ...
+
+class SecAggAck(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class SecAggPollRequest(_message.Message):
+    __slots__ = ("session", "round", "wait_s", "after")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    round: int
+    wait_s: float
+    after: SecAggState.Stage
+    def __init__(self, session: _Optional[str] = ..., round: _Optional[int] = ..., wait_s: _Optional[float] = ..., after: _Optional[_Union[SecAggState.Stage, str]] = ...) -> None: ...
+
+class SecAggPeer(_message.Message):
+    __slots__ = ("index", "client_id", "mask_public_key", "enc_public_key", "self_commitment", "identity_key", "signature")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MASK_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    ENC_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SELF_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    client_id: str
+    mask_public_key: bytes
+    enc_public_key: bytes
+    self_commitment: bytes
+    identity_key: bytes
+    signature: bytes
+    def __init__(self, index: _Optional[int] = ..., client_id: _Optional[str] = ..., mask_public_key: _Optional[bytes] = ..., enc_public_key: _Optional[bytes] = ..., self_commitment: _Optional[bytes] = ..., identity_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class SecAggState(_message.Message):
+    __slots__ = ("round", "stage", "index", "threshold", "n_max", "neighbours", "ciphertexts", "included", "dropped", "reason", "factor", "min_inputs")
+    class Stage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KEYS: _ClassVar[SecAggState.Stage]
+        SHARES: _ClassVar[SecAggState.Stage]
+        INPUT: _ClassVar[SecAggState.Stage]
+        UNMASK: _ClassVar[SecAggState.Stage]
+        DONE: _ClassVar[SecAggState.Stage]
+        ABANDONED: _ClassVar[SecAggState.Stage]
+    KEYS: SecAggState.Stage
+    SHARES: SecAggState.Stage
+    INPUT: SecAggState.Stage
+    UNMASK: SecAggState.Stage
+    DONE: SecAggState.Stage
+    ABANDONED: SecAggState.Stage
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    N_MAX_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOURS_FIELD_NUMBER: _ClassVar[int]
+    CIPHERTEXTS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_FIELD_NUMBER: _ClassVar[int]
+    MIN_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    stage: SecAggState.Stage
+    index: int
+    threshold: int
+    n_max: int
+    neighbours: _containers.RepeatedCompositeFieldContainer[SecAggPeer]
+    ciphertexts: _containers.RepeatedCompositeFieldContainer[SecAggCiphertext]
+    included: _containers.RepeatedScalarFieldContainer[int]
+    dropped: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    factor: float
+    min_inputs: int
+    def __init__(self, round: _Optional[int] = ..., stage: _Optional[_Union[SecAggState.Stage, str]] = ..., index: _Optional[int] = ..., threshold: _Optional[int] = ..., n_max: _Optional[int] = ..., neighbours: _Optional[_Iterable[_Union[SecAggPeer, _Mapping]]] = ..., ciphertexts: _Optional[_Iterable[_Union[SecAggCiphertext, _Mapping]]] = ..., included: _Optional[_Iterable[int]] = ..., dropped: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ..., factor: _Optional[float] = ..., min_inputs: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("peer_id", "address", "round", "age", "public_key")

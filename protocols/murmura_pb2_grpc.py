@@ -319,6 +319,274 @@ class Aggregator:
             _registered_method=True)
 
 
+class SecureAggregationStub:
+    """---- Secure aggregation (SecAgg+, docs/privacy.md) -----------------------------------------
+
+    A sync round's cohort runs the protocol's steps after training: advertise two X25519 keys,
+    send Shamir shares of its secrets to its graph neighbours (each share AEAD-encrypted to the
+    neighbour, so the server relays ciphertexts it cannot read), send its masked input, then
+    answer the unmasking request with the shares the server needs. Between the steps a client
+    polls for the state the server broadcasts. Every request names the session and the round.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AdvertiseKeys = channel.unary_unary(
+                '/murmura.v1.SecureAggregation/AdvertiseKeys',
+                request_serializer=murmura_dot_protocols_dot_murmura__pb2.SecAggKeys.SerializeToString,
+                response_deserializer=murmura_dot_protocols_dot_murmura__pb2.SecAggAck.FromString,
+                _registered_method=True)
+        self.ShareKeys = channel.unary_unary(
+                '/murmura.v1.SecureAggregation/ShareKeys',
+                request_serializer=murmura_dot_protocols_dot_murmura__pb2.SecAggShares.SerializeToString,
+                response_deserializer=murmura_dot_protocols_dot_murmura__pb2.SecAggAck.FromString,
+                _registered_method=True)
+        self.MaskedInput = channel.stream_unary(
+                '/murmura.v1.SecureAggregation/MaskedInput',
+                request_serializer=murmura_dot_protocols_dot_murmura__pb2.UpdateChunk.SerializeToString,
+                response_deserializer=murmura_dot_protocols_dot_murmura__pb2.SecAggAck.FromString,
+                _registered_method=True)
+        self.Unmask = channel.unary_unary(
+                '/murmura.v1.SecureAggregation/Unmask',
+                request_serializer=murmura_dot_protocols_dot_murmura__pb2.SecAggUnmask.SerializeToString,
+                response_deserializer=murmura_dot_protocols_dot_murmura__pb2.SecAggAck.FromString,
+                _registered_method=True)
+        self.Poll = channel.unary_unary(
+                '/murmura.v1.SecureAggregation/Poll',
+                request_serializer=murmura_dot_protocols_dot_murmura__pb2.SecAggPollRequest.SerializeToString,
+                response_deserializer=murmura_dot_protocols_dot_murmura__pb2.SecAggState.FromString,
+                _registered_method=True)
+
+
+class SecureAggregationServicer:
+    """---- Secure aggregation (SecAgg+, docs/privacy.md) -----------------------------------------
+
+    A sync round's cohort runs the protocol's steps after training: advertise two X25519 keys,
+    send Shamir shares of its secrets to its graph neighbours (each share AEAD-encrypted to the
+    neighbour, so the server relays ciphertexts it cannot read), send its masked input, then
+    answer the unmasking request with the shares the server needs. Between the steps a client
+    polls for the state the server broadcasts. Every request names the session and the round.
+    """
+
+    def AdvertiseKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShareKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MaskedInput(self, request_iterator, context):
+        """The masked ring vector: an UpdateHeader (codec "secagg-ring32"/"secagg-ring64", the round,
+        payload_bytes) then payload chunks, framed like Push, but it never enters Push's pipeline.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unmask(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Poll(self, request, context):
+        """Long poll: the round's stage, and what this client needs for its next step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SecureAggregationServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AdvertiseKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdvertiseKeys,
+                    request_deserializer=murmura_dot_protocols_dot_murmura__pb2.SecAggKeys.FromString,
+                    response_serializer=murmura_dot_protocols_dot_murmura__pb2.SecAggAck.SerializeToString,
+            ),
+            'ShareKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShareKeys,
+                    request_deserializer=murmura_dot_protocols_dot_murmura__pb2.SecAggShares.FromString,
+                    response_serializer=murmura_dot_protocols_dot_murmura__pb2.SecAggAck.SerializeToString,
+            ),
+            'MaskedInput': grpc.stream_unary_rpc_method_handler(
+                    servicer.MaskedInput,
+                    request_deserializer=murmura_dot_protocols_dot_murmura__pb2.UpdateChunk.FromString,
+                    response_serializer=murmura_dot_protocols_dot_murmura__pb2.SecAggAck.SerializeToString,
+            ),
+            'Unmask': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unmask,
+                    request_deserializer=murmura_dot_protocols_dot_murmura__pb2.SecAggUnmask.FromString,
+                    response_serializer=murmura_dot_protocols_dot_murmura__pb2.SecAggAck.SerializeToString,
+            ),
+            'Poll': grpc.unary_unary_rpc_method_handler(
+                    servicer.Poll,
+                    request_deserializer=murmura_dot_protocols_dot_murmura__pb2.SecAggPollRequest.FromString,
+                    response_serializer=murmura_dot_protocols_dot_murmura__pb2.SecAggState.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'murmura.v1.SecureAggregation', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('murmura.v1.SecureAggregation', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class SecureAggregation:
+    """---- Secure aggregation (SecAgg+, docs/privacy.md) -----------------------------------------
+
+    A sync round's cohort runs the protocol's steps after training: advertise two X25519 keys,
+    send Shamir shares of its secrets to its graph neighbours (each share AEAD-encrypted to the
+    neighbour, so the server relays ciphertexts it cannot read), send its masked input, then
+    answer the unmasking request with the shares the server needs. Between the steps a client
+    polls for the state the server broadcasts. Every request names the session and the round.
+    """
+
+    @staticmethod
+    def AdvertiseKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmura.v1.SecureAggregation/AdvertiseKeys',
+            murmura_dot_protocols_dot_murmura__pb2.SecAggKeys.SerializeToString,
+            murmura_dot_protocols_dot_murmura__pb2.SecAggAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShareKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmura.v1.SecureAggregation/ShareKeys',
+            murmura_dot_protocols_dot_murmura__pb2.SecAggShares.SerializeToString,
+            murmura_dot_protocols_dot_murmura__pb2.SecAggAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MaskedInput(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/murmura.v1.SecureAggregation/MaskedInput',
+            murmura_dot_protocols_dot_murmura__pb2.UpdateChunk.SerializeToString,
+            murmura_dot_protocols_dot_murmura__pb2.SecAggAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unmask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmura.v1.SecureAggregation/Unmask',
+            murmura_dot_protocols_dot_murmura__pb2.SecAggUnmask.SerializeToString,
+            murmura_dot_protocols_dot_murmura__pb2.SecAggAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Poll(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/murmura.v1.SecureAggregation/Poll',
+            murmura_dot_protocols_dot_murmura__pb2.SecAggPollRequest.SerializeToString,
+            murmura_dot_protocols_dot_murmura__pb2.SecAggState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class PeerStub:
     """---- Gossip mode: peers that train together with no server (docs/gossip.md) ----------------
 

@@ -18,6 +18,7 @@ from murmura.protocols.messages import (
     TaskSettings,
     UpdateHeader,
 )
+from murmura.protocols.secagg.weighted import SecAggParams
 from murmura.protocols.spec import ModelSpec, TensorSpec
 
 #: Payload bytes per stream chunk: well under gRPC's 4 MiB default message limit.
@@ -98,15 +99,33 @@ def join_proof_from_proto(m: pb.JoinRequest) -> JoinProof | None:
     return JoinProof(public_key=m.public_key, nonce=m.nonce, signature=m.signature)
 
 
+def secagg_params_to_proto(p: SecAggParams | None) -> pb.SecAggParams:
+    if p is None:
+        return pb.SecAggParams()
+    return pb.SecAggParams(enabled=True, bits=p.bits, clip=p.clip, max_weight=p.max_weight,
+                           dp_clip=p.dp_clip, dp_noise_multiplier=p.dp_noise_multiplier)
+
+
+def secagg_params_from_proto(m: pb.SecAggParams) -> SecAggParams | None:
+    """The run's secure-aggregation encoding, or None when it is off (``ValueError`` for
+    parameters no client could use)."""
+    if not m.enabled:
+        return None
+    return SecAggParams(bits=m.bits, clip=m.clip, max_weight=m.max_weight,
+                        dp_clip=m.dp_clip, dp_noise_multiplier=m.dp_noise_multiplier)
+
+
 def join_result_to_proto(r: JoinResult, spec: ModelSpec) -> pb.JoinReply:
     return pb.JoinReply(session=r.session, settings=settings_to_proto(r.settings),
                         spec=spec_to_proto(spec), mode=r.mode,
-                        max_payload_bytes=r.max_payload_bytes)
+                        max_payload_bytes=r.max_payload_bytes,
+                        secagg=secagg_params_to_proto(r.secagg))
 
 
 def join_result_from_proto(m: pb.JoinReply) -> tuple[JoinResult, ModelSpec]:
     result = JoinResult(session=m.session, settings=settings_from_proto(m.settings),
-                        mode=m.mode, max_payload_bytes=m.max_payload_bytes)
+                        mode=m.mode, max_payload_bytes=m.max_payload_bytes,
+                        secagg=secagg_params_from_proto(m.secagg))
     return result, spec_from_proto(m.spec)
 
 

@@ -197,6 +197,13 @@ class AggregatorServer:
         self.tier.post = loop.call_soon_threadsafe
         self.servicer = AggregatorServicer(self.core, tier=self.tier)
         add_servicer(self.servicer, server)
+        if cfg.privacy.secure_aggregation:  # the masked steps (server/secagg_service.py)
+            from murmura.server.secagg_service import (
+                SecureAggregationServicer,
+                add_secagg_servicer,
+            )
+
+            add_secagg_servicer(SecureAggregationServicer(self.core), server)
         if credentials is not None:
             self.port = server.add_secure_port(self.requested_address, credentials)
         else:

@@ -34,6 +34,7 @@ from murmura.server.compass import COMPASS_STEPS, StepBounds
 
 if TYPE_CHECKING:  # the rules and codecs load torch: imported where a config is checked, so
     from murmura.aggregation import Aggregator  # the command-line parser can read this module
+    from murmura.protocols.secagg.weighted import SecAggParams
 
 MODES = ("sync", "async", "compass")
 STALENESS = ("constant", "polynomial", "hinge")
@@ -321,6 +322,22 @@ class PrivacyConfig:
         "DP: the delta epsilon is reported at, in (0, 1); keep it below 1 / clients")})
     dp_target_epsilon: float = field(default=0.0, metadata={"help": (
         "DP: stop the run before a version whose epsilon would exceed this (0: no limit)")})
+    secure_aggregation: bool = field(default=False, metadata={"help": (
+        "SecAgg+: the server learns only the sum of each sync round's (or async buffer's) "
+        "updates (clients mask them; docs/privacy.md); needs --defense fedavg; with --dp-clip "
+        "the clients add the noise (distributed DP)")})
+    secagg_clip: float = field(default=1.0, metadata={"help": (
+        "secure aggregation: clients clip each value of their update to [-this, this] before "
+        "quantising it into the ring (values beyond are cut)")})
+    secagg_bits: int = field(default=32, metadata={"help": (
+        "secure aggregation: the ring Z_2^bits (8..64; 32 sends 4 bytes a value, like float32)")})
+    secagg_max_weight: float = field(default=1000.0, metadata={"help": (
+        "secure aggregation: a client weighs min(examples, this) in the mean")})
+    secagg_dropout: float = field(default=0.3, metadata={"help": (
+        "secure aggregation: the fraction of a round's clients that may drop out; sizes the "
+        "neighbour graph (in [0, 0.5))")})
+    secagg_step_timeout_s: float = field(default=30.0, metadata={"help": (
+        "secure aggregation: how long each protocol step waits for the slowest client")})
 
     def __post_init__(self) -> None:
         for name in ("dp_clip", "dp_noise_multiplier", "dp_clip_count_noise",
@@ -358,6 +375,26 @@ class PrivacyConfig:
     @property
     def enabled(self) -> bool:
         return self.dp_clip > 0
+
+    def secagg_params(self) -> SecAggParams | None:
+        """The encoding clients quantise into, or None without secure aggregation."""
+        if not self.secure_aggregation:
+            return None
+        from murmura.protocols.secagg.weighted import SecAggParams
+
+        return SecAggParams(bits=self.secagg_bits, clip=self.secagg_clip,
+                            max_weight=self.secagg_max_weight,
+                            dp_clip=self.dp_clip if self.enabled else 0.0,
+                            dp_noise_multiplier=self.dp_noise_multiplier if self.enabled
+                            else 0.0)
+
+    def _check_secagg(self) -> None:
+        if not 0 <= self.secagg_dropout < 0.5:
+            raise ValueError(f"secagg_dropout must be in [0, 0.5), got {self.secagg_dropout}")
+        if not (math.isfinite(self.secagg_step_timeout_s) and self.secagg_step_timeout_s > 0):
+            raise ValueError(f"secagg_step_timeout_s must be positive, got "
+                             f"{self.secagg_step_timeout_s}")
+        self.secagg_params()  # ValueError for bits, clip or max_weight out of range
 
 
 #: ServerConfig's sub-configs by field name; their fields are flat keys of the server's.
@@ -420,7 +457,40 @@ class ServerConfig:
             raise ValueError("compass_max_steps and compass_min_steps are for mode 'compass'")
         if self.privacy.enabled:
             self._check_privacy()
+        if self.privacy.secure_aggregation:
+            self._check_secure_aggregation()
         self._check_plaintext()
+
+    def _check_secure_aggregation(self) -> None:
+        """What secure aggregation composes with (docs/privacy.md): the server sees only the
+        sum of a sync round's masked inputs, so anything that needs one update, or a sum
+        formed elsewhere, is refused with one line naming what works."""
+        self.privacy._check_secagg()
+        works = "it runs with --mode sync, --defense fedavg and a dense update"
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"secure aggregation runs sync rounds (a round's cohort is the "
+                             f"masked group) or async FedBuff (a buffer is the group); mode "
+                             f"{self.mode!r} forms groups from client speeds and is refused")
+        if not self.policy.decomposable or self.policy.defense != "fedavg":
+            raise ValueError(f"secure aggregation hides each update, so defense "
+                             f"{self.policy.defense!r}, which must see every update, cannot "
+                             f"run; {works}")
+        if self.policy.accumulator != "float32":
+            raise ValueError(f"secure aggregation sums in its own ring; drop --accumulator "
+                             f"{self.policy.accumulator}")
+        if self.leaf.role == "leaf" or self.security.leaf_keys:
+            raise ValueError("secure aggregation needs clients connected directly to the top "
+                             "aggregator: a leaf's partial aggregate is a sum the top cannot "
+                             "unmask (drop --role leaf / --leaf-keys)")
+        if self.privacy.enabled and (self.privacy.dp_clip_adaptive
+                                     or self.privacy.dp_clip_count_noise):
+            raise ValueError("secure aggregation with --dp-clip runs distributed DP with a "
+                             "fixed clip: the adaptive clip needs each update's norm, which "
+                             "the server no longer sees (drop --dp-clip-adaptive)")
+        if self.train.trainer != "sgd" or self.train.codec not in ("dense-f32", ""):
+            raise ValueError(f"secure aggregation masks the dense update: trainer "
+                             f"{self.train.trainer!r} with codec {self.train.codec!r} cannot "
+                             f"be masked; use --trainer sgd and the dense codec")
 
     def _check_privacy(self) -> None:
         """What differential privacy composes with (docs/privacy.md): one line naming what

@@ -258,6 +258,14 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
                                             seed=self.derive_seed("dp-noise"), recorder=recorder)
         policies: dict[str, Callable[[PolicyHost], Policy]] = {
             "sync": SyncPolicy, "async": AsyncPolicy, "compass": CompassPolicy}
+        if config.privacy.secure_aggregation:  # masked sync rounds (server/secagg_policy.py)
+            if self.buffers is not None or self.pool is not None:
+                raise ValueError("secure aggregation masks the model's trained values only: "
+                                 "models with BatchNorm buffers and seed pools are refused "
+                                 "(use GroupNorm or LayerNorm, and the dense codec)")
+            from murmura.server.secagg_policy import SecAggAsyncPolicy, SecAggPolicy
+
+            policies["sync"], policies["async"] = SecAggPolicy, SecAggAsyncPolicy
         self.policy: Policy = policies[config.mode](self)  # the policy sees a PolicyHost
         if start is not None:
             agg_state = {k[len(AGG_PREFIX):]: v for k, v in start.extra.items()
@@ -382,6 +390,10 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
         return bool(getattr(self.policy.aggregator, "decomposable", False))
 
     # -- requests -----------------------------------------------------------------------------
+
+    def client_for(self, session: str) -> ClientRecord:
+        """The session's client (now seen), or the refusal a transport answers with."""
+        return self._checked(self._record, session)  # type: ignore[no-any-return]
 
     def task(self, session: str) -> Task:
         rec = self._checked(self._record, session)

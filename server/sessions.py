@@ -251,7 +251,8 @@ class SessionsJob:
                      client_id, profile.device)
         self._changed()
         return JoinResult(session=session, settings=self.config.train, mode=self.config.mode,
-                          max_payload_bytes=self.config.security.max_payload_bytes)
+                          max_payload_bytes=self.config.security.max_payload_bytes,
+                          secagg=self.config.privacy.secagg_params())
 
     def _check_proof(self, client_id: str, proof: JoinProof) -> bytes:
         """The proven public key, or a refusal saying which part of the proof is wrong."""

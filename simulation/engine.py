@@ -67,6 +67,7 @@ from murmura.protocols import (
     create_codec,
 )
 from murmura.server import AggregatorCore, ServerConfig, ServiceError, build_core
+from murmura.server.secagg_policy import SecAggAsyncPolicy, SecAggPolicy
 from murmura.simulation.attacks import BatchHook, check_attacks, poison_data
 from murmura.simulation.clock import EventQueue, VirtualClock
 from murmura.simulation.config import SimulationConfig
@@ -74,6 +75,7 @@ from murmura.simulation.data import SimulationData, load_simulation_data
 from murmura.simulation.execution import Executor, default_workers
 from murmura.simulation.population import availability, choose_executor, device_population
 from murmura.simulation.results import ResultsJob, SimulationResult, plot_staleness
+from murmura.simulation.secagg import SecAggDriver
 from murmura.simulation.updates import UpdatesJob, split_for_client_eval
 from murmura.simulation.wire import ModelWire, update_wire_bytes
 from murmura.tasks import TaskConfig
@@ -222,6 +224,12 @@ class Simulation(UpdatesJob, ResultsJob):
         self.executor = executor
         self.execution_path = self.executor.path
         self._wall = 0.0
+        #: Secure aggregation: the same client and server state machines, in memory
+        #: (simulation/secagg.py); None without it.
+        self.secagg = (SecAggDriver(self.core.policy, seed=server.seed)
+                       if isinstance(self.core.policy, SecAggPolicy | SecAggAsyncPolicy)
+                       else None)
+        self._secagg_index = {cid: i for i, cid in enumerate(self.ids)} if self.secagg else {}
         log.info("simulation: %d clients, execution: %s", n, self.executor.describe())
 
     # -- construction --------------------------------------------------------------------
@@ -302,6 +310,8 @@ class Simulation(UpdatesJob, ResultsJob):
 
     def _after_event(self) -> None:
         core = self.core
+        if self.secagg is not None:  # a deadline may have closed the round's keys stage
+            self._pump_secagg()
         if core.version != self._last_version:
             self._last_version = core.version
             if self.out_dir is None:
@@ -478,6 +488,9 @@ class Simulation(UpdatesJob, ResultsJob):
     def _on_push(self, c: int) -> None:
         flight = self.flights[c]
         assert flight.header is not None and flight.payload is not None
+        if self.secagg is not None:
+            self._on_masked_push(c, flight)
+            return
         try:
             # the push pipeline's steps, as the servicer runs them with the in-process tier
             result = self.core.pipeline.push(flight.header, flight.payload,
@@ -493,6 +506,27 @@ class Simulation(UpdatesJob, ResultsJob):
         if not result.duplicate:
             self.staleness[result.staleness] += 1
         self._schedule(self.clock.now + 2 * self._lat(c), _TASK, c)
+
+    def _on_masked_push(self, c: int, flight: _Flight) -> None:
+        """Secure aggregation: the trained update enters the round as the client's key
+        advert; once the cohort's adverts are in, the other steps are played among the
+        members still online (simulation/secagg.py)."""
+        assert self.secagg is not None and flight.payload is not None
+        update = np.frombuffer(flight.payload, dtype="<f4")
+        try:
+            rec = self.core.client_for(self.sessions[c])
+            self.secagg.take(rec, flight.round, update, max(flight.num_examples, 1))
+        except ServiceError as exc:
+            self._refused(c, exc, _PUSH)
+            return
+        del self.flights[c]
+        self._pump_secagg()
+        self._schedule(self.clock.now + 2 * self._lat(c), _TASK, c)
+
+    def _pump_secagg(self) -> None:
+        if self.secagg is not None and self.secagg.members:
+            index = self._secagg_index
+            self.secagg.pump(lambda cid: bool(self.online[index[cid]]))
 
     # -- the end -------------------------------------------------------------------------
 

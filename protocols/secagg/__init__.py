@@ -12,8 +12,9 @@ follows from the Shamir threshold. A *malicious* server can still do what the se
 cannot stop: choose the neighbour graph (here it comes from a seed; a production deployment should
 derive it from a seed the clients contribute to), lie to different clients about who dropped (the
 consistency round and signatures of the active-adversary version of Bonawitz et al. are not
-implemented), or give clients forged public keys (the wiring must authenticate keys, e.g. with the
-joining identity of ``protocols/identity.py``). Clients are not checked either: a client may send
+implemented), or give clients forged public keys (the gRPC wiring signs every key advert
+with the joining identity of ``protocols/identity.py`` when the run requires identities, and
+clients check it: client/secagg.py). Clients are not checked either: a client may send
 any ring element (SecAgg hides inputs, it does not bound them; range proofs would), and only a sum
 outside the possible range is caught, by :func:`dequantise`.
 
@@ -48,6 +49,7 @@ from murmura.protocols.secagg.rounds import (
     Tamper,
     check_public_keys,
     mask,
+    reconstruct,
     unmask,
 )
 from murmura.protocols.secagg.shamir import PRIME, Share, combine, split
@@ -71,6 +73,7 @@ __all__ = [
     "neighbours",
     "pair_seed",
     "quantise",
+    "reconstruct",
     "seed_commitment",
     "split",
     "threshold",

@@ -53,16 +53,14 @@ def _u64(value: int) -> bytes:
     return value.to_bytes(8, "little")
 
 
-def expand_mask(
+def expand_words(
     seed: bytes, length: int, *, bits: int, round_id: int, purpose: str = "pair"
-) -> RingVector:
-    """Expand ``seed`` into ``length`` uniform elements of ``Z_{2**bits}`` with ChaCha20.
-
-    The 16-byte ChaCha20 nonce is a zero block counter, a 4-byte purpose tag (``self``/``pair``)
-    and the round id, so the self-mask and pairwise streams are separated even for equal keys.
-    Words are 4 bytes (``bits <= 32``) or 8 bytes, little-endian, reduced to the ring by taking
-    their low bits, which keeps them uniform.
-    """
+) -> np.ndarray:
+    """The raw ChaCha20 words behind :func:`expand_mask`: ``uint32`` for rings of up to 32
+    bits, ``uint64`` above, not yet reduced to the ring. Sums of them in that dtype wrap
+    modulo ``2**32`` or ``2**64``, which ``2**bits`` divides, so masks can be added and removed
+    in the word dtype (half the memory traffic of ``uint64`` for 32-bit rings) and reduced
+    once at the end."""
     if len(seed) != SEED_BYTES:
         raise ValueError(f"a mask seed has {SEED_BYTES} bytes, got {len(seed)}")
     if length < 0:
@@ -75,8 +73,21 @@ def expand_mask(
     word = 4 if bits <= 32 else 8
     encryptor = Cipher(algorithms.ChaCha20(seed, nonce), mode=None).encryptor()
     stream = encryptor.update(bytes(word * length))
-    words = np.frombuffer(stream, dtype="<u4" if word == 4 else "<u8").astype(np.uint64)
-    return _reduce(words, bits)
+    return np.frombuffer(stream, dtype="<u4" if word == 4 else "<u8")
+
+
+def expand_mask(
+    seed: bytes, length: int, *, bits: int, round_id: int, purpose: str = "pair"
+) -> RingVector:
+    """Expand ``seed`` into ``length`` uniform elements of ``Z_{2**bits}`` with ChaCha20.
+
+    The 16-byte ChaCha20 nonce is a zero block counter, a 4-byte purpose tag (``self``/``pair``)
+    and the round id, so the self-mask and pairwise streams are separated even for equal keys.
+    Words are 4 bytes (``bits <= 32``) or 8 bytes, little-endian, reduced to the ring by taking
+    their low bits, which keeps them uniform.
+    """
+    words = expand_words(seed, length, bits=bits, round_id=round_id, purpose=purpose)
+    return _reduce(words.astype(np.uint64), bits)
 
 
 def seed_commitment(seed: bytes, *, round_id: int, client: int) -> bytes:

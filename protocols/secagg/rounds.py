@@ -9,10 +9,11 @@ import secrets
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from murmura.protocols.secagg.graph import default_degree, neighbours, threshold
-from murmura.protocols.secagg.keys import SEED_BYTES, expand_mask, pair_seed, seed_commitment
+from murmura.protocols.secagg.keys import SEED_BYTES, expand_words, pair_seed, seed_commitment
 from murmura.protocols.secagg.ring import (
     RingVector,
     _check_ring,
@@ -46,11 +47,20 @@ def mask(
     x = _check_ring(x_ints, bits, "x_ints")
     if client in pair_seeds:
         raise ValueError("a client has no pairwise mask with itself")
-    y = x + expand_mask(self_seed, x.shape[0], bits=bits, round_id=round_id, purpose="self")
+    y = _words(x, bits)
+    np.add(y, expand_words(self_seed, x.shape[0], bits=bits, round_id=round_id,
+                           purpose="self"), out=y)
     for j, seed in pair_seeds.items():
-        stream = expand_mask(seed, x.shape[0], bits=bits, round_id=round_id, purpose="pair")
-        y = y + stream if j > client else y - stream
-    return _reduce(y, bits)
+        stream = expand_words(seed, x.shape[0], bits=bits, round_id=round_id, purpose="pair")
+        (np.add if j > client else np.subtract)(y, stream, out=y)
+    return _reduce(y.astype(np.uint64), bits)
+
+
+def _words(x: RingVector, bits: int) -> np.ndarray:
+    """A writable copy of ring elements in the mask streams' word dtype (see
+    :func:`~murmura.protocols.secagg.keys.expand_words`: arithmetic there wraps modulo a
+    multiple of ``2**bits``)."""
+    return x.astype(np.uint32 if bits <= 32 else np.uint64)
 
 
 def unmask(
@@ -80,13 +90,15 @@ def unmask(
     needed = {(s, d) for d in gone for s in graph[d] if s in inc}
     if set(pair_seeds) != needed:
         raise ValueError("pair_seeds must cover exactly the (included, dropped) neighbour pairs")
-    out = total.copy()
+    out = _words(total, bits)
+    length = out.shape[0]
     for seed in self_seeds.values():
-        out = out - expand_mask(seed, out.shape[0], bits=bits, round_id=round_id, purpose="self")
+        np.subtract(out, expand_words(seed, length, bits=bits, round_id=round_id,
+                                      purpose="self"), out=out)
     for (s, d), seed in pair_seeds.items():
-        stream = expand_mask(seed, out.shape[0], bits=bits, round_id=round_id, purpose="pair")
-        out = out - stream if s < d else out + stream  # undo what survivor s added
-    return _reduce(out, bits)
+        stream = expand_words(seed, length, bits=bits, round_id=round_id, purpose="pair")
+        (np.subtract if s < d else np.add)(out, stream, out=out)  # undo what survivor s added
+    return _reduce(out.astype(np.uint64), bits)
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,6 +113,38 @@ def check_public_keys(keys: Mapping[int, bytes]) -> None:
         raise ValueError("every X25519 public key must have 32 bytes")
     if len(set(keys.values())) != len(keys):
         raise ValueError("two clients presented the same public key")
+
+
+def reconstruct(owner: int, kind: str, answers: Mapping[int, Share], *,
+                holders: Collection[int], t: int, matches: Callable[[bytes], bool]) -> bytes:
+    """Rebuild ``owner``'s secret from the holders' answers, or raise :class:`RoundAbandoned`.
+
+    Structurally malformed shares (coordinate other than the holder's id, holder not among
+    ``holders``, wrong threshold or length, value outside the field) are dropped; then up to
+    ``_MAX_COMBINATIONS`` subsets of ``t`` shares are tried until one reconstructs a secret that
+    ``matches`` accepts (the owner's self-seed commitment or its public key), which also gets
+    past well-formed shares with a wrong value. The in-memory :class:`Round` and the server's
+    round share this function, so both accept and refuse exactly the same answers.
+    """
+    valid = [
+        s
+        for holder, s in sorted(answers.items())
+        if s.x == holder
+        and holder in holders
+        and s.t == t
+        and s.length == SEED_BYTES
+        and 0 <= s.y < PRIME
+    ]
+    if len(valid) < t:
+        raise RoundAbandoned(f"{len(valid)} valid {kind} shares of client {owner}, threshold {t}")
+    for subset in itertools.islice(itertools.combinations(valid, t), _MAX_COMBINATIONS):
+        try:
+            secret = combine(subset)
+        except ValueError:
+            continue
+        if matches(secret):
+            return secret
+    raise RoundAbandoned(f"no consistent {kind} shares of client {owner}")
 
 
 #: ``tamper(holder, owner, kind, share) -> share``: a test hook that alters a returned share.
@@ -227,35 +271,8 @@ class Round:
         return public == self.public_keys[owner]
 
     def _reconstruct(self, owner: int, kind: str, answers: Mapping[int, Share]) -> bytes:
-        """Rebuild ``owner``'s secret from the holders' answers, or abandon the round.
-
-        Structurally malformed shares (coordinate other than the holder's id, holder not a
-        neighbour, wrong threshold or length, value outside the field) are dropped; then up to
-        ``_MAX_COMBINATIONS`` subsets of ``t`` shares are tried until one reconstructs the secret
-        the owner committed to (its self-seed commitment or its public key), which also gets past
-        well-formed shares with a wrong value.
-        """
-        valid = [
-            s
-            for holder, s in sorted(answers.items())
-            if s.x == holder
-            and holder in self.graph[owner]
-            and s.t == self.t
-            and s.length == SEED_BYTES
-            and 0 <= s.y < PRIME
-        ]
-        if len(valid) < self.t:
-            raise RoundAbandoned(
-                f"{len(valid)} valid {kind} shares of client {owner}, threshold {self.t}"
-            )
-        for subset in itertools.islice(itertools.combinations(valid, self.t), _MAX_COMBINATIONS):
-            try:
-                secret = combine(subset)
-            except ValueError:
-                continue
-            if self._matches(owner, kind, secret):
-                return secret
-        raise RoundAbandoned(f"no consistent {kind} shares of client {owner}")
+        return reconstruct(owner, kind, answers, holders=self.graph[owner], t=self.t,
+                           matches=lambda secret: self._matches(owner, kind, secret))
 
     def run(
         self,

@@ -61,15 +61,38 @@ def split(
 
 
 def _interpolate(points: Sequence[tuple[int, int]], at: int) -> int:
+    """The value at ``at`` of the polynomial through ``points``: Lagrange, in O(t) big-field
+    multiplications plus one inversion (numerators from prefix and suffix products,
+    denominators as exact integer products of coordinate differences, inverted together with
+    Montgomery's trick). Unmasking reconstructs hundreds of secrets, and the naive form (two
+    field multiplications per pair and one inversion per point) dominated a round's server
+    time."""
+    xs = [x for x, _ in points]
+    t = len(xs)
+    diffs = [(at - x) % PRIME for x in xs]
+    prefix = [1] * (t + 1)
+    for i, d in enumerate(diffs):
+        prefix[i + 1] = prefix[i] * d % PRIME
+    suffix = [1] * (t + 1)
+    for i in range(t - 1, -1, -1):
+        suffix[i] = suffix[i + 1] * diffs[i] % PRIME
+    dens = []
+    for i, xi in enumerate(xs):
+        d = 1
+        for j, xj in enumerate(xs):
+            if j != i:
+                d *= xi - xj
+        dens.append(d % PRIME)
+    running = [1] * (t + 1)  # Montgomery's batch inversion
+    for i, d in enumerate(dens):
+        running[i + 1] = running[i] * d % PRIME
+    inv = pow(running[t], -1, PRIME)
     total = 0
-    for i, (xi, yi) in enumerate(points):
-        num, den = 1, 1
-        for j, (xj, _) in enumerate(points):
-            if i != j:
-                num = num * (at - xj) % PRIME
-                den = den * (xi - xj) % PRIME
-        total = (total + yi * num * pow(den, -1, PRIME)) % PRIME
-    return total
+    for i in range(t - 1, -1, -1):
+        inv_i = inv * running[i] % PRIME
+        inv = inv * dens[i] % PRIME
+        total += points[i][1] * (prefix[i] * suffix[i + 1] % PRIME) % PRIME * inv_i
+    return total % PRIME
 
 
 def combine(shares: Sequence[Share]) -> bytes:
