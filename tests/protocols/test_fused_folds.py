@@ -42,8 +42,9 @@ def test_check_and_fold_into_agree_with_decoding(size: int, seed: int, alpha: fl
     acc, new = old.copy(), np.full(size, np.nan, np.float32)
     in_place = codec.fold_into(memoryview(bytearray(payload)), acc, new, alpha)
     got = acc if in_place else new
-    if name == "topk":  # a scatter-add rounds alpha * value on its own: within one ulp
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
+    if name == "topk":  # a scatter-add rounds alpha * value on its own: two roundings
+        bound = 2 * np.finfo(np.float32).eps * (np.abs(old) + alpha * np.abs(decoded))
+        assert np.all(np.abs(got.astype(np.float64) - want) <= bound)
         assert in_place
     else:
         assert np.array_equal(got, want) and not in_place
