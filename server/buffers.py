@@ -11,10 +11,15 @@ view of the buffer (``dense-f32``), and a policy may keep it past the push (the 
 an early update until its predecessors in the cohort arrive). So a buffer goes back to the pool
 only if nothing but the lease references it any more; otherwise it is simply left to whoever
 holds it and the pool allocates a new one next time. No consumer has to know about the pool.
+
+Buffers of :data:`ALIGNED_FROM` bytes or more are page-aligned anonymous mappings, so the
+durable spool can write a payload from its receive buffer to the disk directly (``O_DIRECT``
+needs an aligned source; see server/store.py) instead of through a copy.
 """
 
 from __future__ import annotations
 
+import mmap
 import sys
 
 import numpy as np
@@ -23,6 +28,31 @@ import numpy as np
 MIN_POOLED_BYTES = 1 << 20
 #: Idle buffers kept by default (bounded memory: at most this many payloads of idle memory).
 DEFAULT_MAX_FREE = 2
+#: Buffers from this size are page-aligned mappings (:func:`aligned_empty`).
+ALIGNED_FROM = 1 << 16
+#: From this size a mapping asks for transparent huge pages, as NumPy's large arrays do.
+_HUGE_FROM = 4 << 20
+
+
+def aligned_empty(nbytes: int, *, pooled: bool = True) -> np.ndarray:
+    """An uninitialised, writable ``uint8`` array of ``nbytes`` that starts on a page boundary.
+
+    A pooled buffer is an anonymous mapping of its own (unmapped when the array and its views
+    are gone), so that every view of it references the array and :meth:`BufferPool.release`
+    can count them. A buffer that is never pooled is an aligned slice of a slightly larger heap
+    array instead: malloc recycles those pages from one push to the next, where a fresh mapping
+    would fault on every page of every payload. Small sizes are plain ``np.empty``.
+    """
+    if nbytes < ALIGNED_FROM:
+        return np.empty(nbytes, dtype=np.uint8)
+    if not pooled:
+        raw = np.empty(nbytes + mmap.PAGESIZE, dtype=np.uint8)
+        start = -raw.ctypes.data % mmap.PAGESIZE
+        return raw[start:start + nbytes]
+    mapping = mmap.mmap(-1, nbytes)
+    if nbytes >= _HUGE_FROM and hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(mapping, dtype=np.uint8)
 
 
 def _refcount_of_local() -> int:
@@ -100,7 +130,7 @@ class BufferPool:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         if nbytes < self.min_bytes:
-            return ReceiveBuffer(np.empty(nbytes, dtype=np.uint8), nbytes, pooled=False)
+            return ReceiveBuffer(aligned_empty(nbytes, pooled=False), nbytes, pooled=False)
         best = -1
         for i, array in enumerate(self._free):
             if nbytes <= array.nbytes <= 2 * nbytes and (
@@ -110,7 +140,7 @@ class BufferPool:
             self.reused += 1
             return ReceiveBuffer(self._free.pop(best), nbytes, pooled=True)
         self.allocated += 1
-        return ReceiveBuffer(np.empty(nbytes, dtype=np.uint8), nbytes, pooled=True)
+        return ReceiveBuffer(aligned_empty(nbytes), nbytes, pooled=True)
 
     def release(self, lease: ReceiveBuffer) -> bool:
         """End ``lease``; True if its buffer went back to the pool.
@@ -143,4 +173,5 @@ class BufferPool:
         self._free.clear()
 
 
-__all__ = ["BufferPool", "DEFAULT_MAX_FREE", "MIN_POOLED_BYTES", "ReceiveBuffer"]
+__all__ = ["ALIGNED_FROM", "BufferPool", "DEFAULT_MAX_FREE", "MIN_POOLED_BYTES",
+           "ReceiveBuffer", "aligned_empty"]

@@ -206,33 +206,47 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         itself only moves bytes."""
         header = None
         lease: ReceiveBuffer | Slab | None = None
-        received = wire = 0
+        received = wire = expected = 0
         tier = self.tier
         try:
             self._at("push.receive")
             async for item in request_iterator:
+                # Payload chunks arrive as zero-copy views of gRPC's message bytes
+                # (serde.deserialize_update_item) and are copied once, straight into their
+                # place in the buffer or slab that the decode, the spool and the fold read.
+                if type(item) is memoryview:
+                    if lease is None:
+                        raise InvalidArgument("the first chunk of a push must be its header")
+                    end = received + len(item)
+                    if end > expected:
+                        raise InvalidArgument(f"more payload than the {expected} bytes the "
+                                              f"header announced")
+                    lease.write(received, item)
+                    wire += serde.data_chunk_wire_bytes(len(item))
+                    received = end
+                    continue
                 if isinstance(item, Malformed):
                     raise InvalidArgument(f"{item.what} does not parse")
-                # Payload chunks arrive as zero-copy views (serde.deserialize_update_item).
-                kind = "data" if isinstance(item, memoryview) else item.WhichOneof("kind")
+                kind = item.WhichOneof("kind")
                 if header is None:
-                    if kind != "header" or isinstance(item, memoryview):
+                    if kind != "header":
                         raise InvalidArgument("the first chunk of a push must be its header")
                     wire += item.ByteSize()
                     header = serde.update_header_from_proto(item.header)
                     self.pipeline.precheck(header)  # refuse before receiving a payload
-                    # Copy each chunk in as it arrives, overlapping the transfer, into a buffer
-                    # whose pages are already mapped (a fresh one faults on every page).
+                    # Each chunk is copied in as it arrives, overlapping the transfer, into a
+                    # buffer whose pages are already mapped (a fresh one faults on every page).
                     lease = self.pipeline.receive(header.payload_bytes)
-                elif kind == "data":
-                    data = item if isinstance(item, memoryview) else memoryview(item.data)
+                    expected = header.payload_bytes
+                elif kind == "data":  # a data chunk a peer framed with another field set
+                    data = memoryview(item.data)
                     end = received + len(data)
-                    wire += serde.data_chunk_wire_bytes(len(data))
-                    if end > header.payload_bytes:
-                            raise InvalidArgument(f"more payload than the {header.payload_bytes} "
-                                              f"bytes the header announced")
+                    if end > expected:
+                        raise InvalidArgument(f"more payload than the {expected} bytes the "
+                                              f"header announced")
                     assert lease is not None
-                    tier.write(lease, received, data)
+                    lease.write(received, data)
+                    wire += serde.data_chunk_wire_bytes(len(data))
                     received = end
                 else:
                     raise InvalidArgument("a push carries exactly one header chunk")

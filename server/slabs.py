@@ -112,6 +112,20 @@ class Slab:
         assert buf is not None
         return buf[: self.size]
 
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        """Copy ``data`` in at ``offset`` (a received chunk lands in its place; NumPy copies
+        without holding the GIL, so the gateway's other threads run meanwhile)."""
+        end = offset + len(data)
+        if self._released:
+            raise ValueError(f"slab {self.name} was released")
+        if offset < 0 or end > self.size:
+            raise ValueError(f"bytes {offset}..{end} do not fit slab {self.name} of "
+                             f"{self.size} bytes")
+        buf = self._shm.buf
+        assert buf is not None
+        np.copyto(np.frombuffer(buf, dtype=np.uint8, count=end - offset, offset=offset),
+                  np.frombuffer(data, dtype=np.uint8))
+
     def _range(self, offset: int, nbytes: int | None) -> tuple[int, int]:
         if nbytes is None:
             nbytes = max(self.nbytes - offset, 0)

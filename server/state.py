@@ -39,11 +39,18 @@ __all__ = ["AggregatorState", "Consume", "DropPush", "EndSession", "MemoryState"
 
 @dataclass(frozen=True)
 class SpoolRef:
-    """Where a payload lies in the spool: segment number, byte offset, length."""
+    """Where a payload lies in the spool: segment number, byte offset, length.
+
+    A backend may keep a small payload with the operation that records it instead of in a
+    spool file (``SqliteState`` stores it in its database, in the same commit as the pending
+    row): its reference then carries the bytes in ``data`` until that operation is kept. The
+    bytes are not part of the reference's identity.
+    """
 
     segment: int
     offset: int
     length: int
+    data: bytes | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass

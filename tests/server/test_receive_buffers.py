@@ -3,6 +3,7 @@ loopback where a held update's bytes must survive the pushes that follow it."""
 
 from __future__ import annotations
 
+import mmap
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,7 +16,7 @@ from murmura.aggregation import base as aggregation_base
 from murmura.client import GrpcTransport
 from murmura.protocols import DeviceProfile, ModelSpec, TensorSpec, UpdateHeader
 from murmura.server import AggregatorCore, ServerConfig, ServerThread
-from murmura.server.buffers import MIN_POOLED_BYTES, BufferPool
+from murmura.server.buffers import ALIGNED_FROM, MIN_POOLED_BYTES, BufferPool
 
 BIG = MIN_POOLED_BYTES + 4096  # pooled size
 
@@ -90,6 +91,18 @@ def test_writes_are_bounds_checked_and_released_leases_refuse_use() -> None:
         lease.view  # noqa: B018
     with pytest.raises(ValueError, match="released"):
         lease.write(0, b"a")
+
+
+@pytest.mark.parametrize("nbytes", [ALIGNED_FROM, 1_000_003, BIG])
+def test_large_buffers_start_on_a_page_so_the_spool_can_write_them_directly(nbytes: int) -> None:
+    pool = BufferPool()
+    lease = pool.acquire(nbytes)
+    data = np.frombuffer(lease.view, np.uint8)
+    assert data.ctypes.data % mmap.PAGESIZE == 0 and data.size == nbytes
+    lease.write(0, bytes(range(256)) * (nbytes // 256))
+    assert bytes(lease.view[:256]) == bytes(range(256))
+    del data
+    assert pool.release(lease) is (nbytes >= MIN_POOLED_BYTES)  # small ones are never pooled
 
 
 # -- over gRPC -------------------------------------------------------------------------------

@@ -116,6 +116,21 @@ def test_idle_and_lent_slabs_together_stay_under_the_cap(make_pool) -> None:
     assert small.name not in {p.name for p in SHM.iterdir()}
 
 
+def test_chunks_written_at_odd_offsets_land_byte_identical(make_pool) -> None:
+    pool = make_pool()
+    payload = np.random.default_rng(3).integers(0, 256, 3 * MiB + 5, dtype=np.uint8).tobytes()
+    slab = pool.acquire(len(payload))
+    cuts = [0, 1, 4, 4097, MiB + 3, 3 * MiB, len(payload)]
+    for start, end in zip(cuts, cuts[1:], strict=False):
+        slab.write(start, memoryview(payload)[start:end])
+    assert bytes(slab.buf[:len(payload)]) == payload
+    with pytest.raises(ValueError, match="do not fit"):
+        slab.write(slab.size - 2, b"abc")
+    pool.release(slab)
+    with pytest.raises(ValueError, match="released"):
+        slab.write(0, b"a")
+
+
 def test_release_rules(make_pool) -> None:
     pool, other = make_pool(), make_pool()
     slab = pool.acquire(10)
