@@ -37,6 +37,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._proc import cpu_seconds, tree_cpu_seconds  # noqa: E402
 from benchmarks._report import Column, Report, parse_args, progress  # noqa: E402
 
 PUSHERS = 4
@@ -56,42 +57,13 @@ SPOOL_MS_PER_MB_GOAL = 0.15
 
 def thread_cpu() -> dict[str, float]:
     """CPU seconds of every thread of this process, by group (see :data:`GROUPS`)."""
-    tick = os.sysconf("SC_CLK_TCK")
     names = {t.native_id: t.name for t in threading.enumerate()}
     out: dict[str, float] = {}
     for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
         name = names.get(int(tid))
         group = GROUPS.get(name or "", NATIVE if name is None else "other Python threads")
-        out[group] = out.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[group] = out.get(group, 0.0) + cpu_seconds("self", tid)
     return out
-
-
-def children_cpu(pid: int) -> float:
-    """CPU seconds of ``pid``'s descendants (the decoding workers), live or reaped."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(entry)] = int(fields[1])
-        times[int(entry)] = sum(int(x) for x in fields[11:15]) / tick
-    total, todo = 0.0, [c for c, p in parents.items() if p == pid]
-    while todo:
-        p = todo.pop()
-        total += times.get(p, 0.0)
-        todo += [c for c, pp in parents.items() if pp == p]
-    return total
 
 
 def _server_main(conn: Any, size: int, out_dir: str) -> None:
@@ -118,7 +90,8 @@ def _server_main(conn: Any, size: int, out_dir: str) -> None:
         cmd = conn.recv()
         if cmd == "cpu":
             store = core.store
-            conn.send({"threads": thread_cpu(), "workers": children_cpu(os.getpid()),
+            workers = tree_cpu_seconds(os.getpid(), include_root=False)
+            conn.send({"threads": thread_cpu(), "workers": workers,
                        "updates": srv.call(lambda: core.traffic.updates),
                        "commits": getattr(store, "commits", 0),
                        "committed_ops": getattr(store, "committed_ops", 0)})

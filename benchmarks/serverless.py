@@ -33,7 +33,6 @@ Run: ``python benchmarks/serverless.py [--quick | --smoke]``.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import shutil
 import sys
 import tempfile
@@ -48,6 +47,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._proc import cpu_seconds, tree_cpu_seconds  # noqa: E402
 from benchmarks._report import Column, Report, parse_args, progress, pyplot  # noqa: E402
 
 #: threads per pusher process
@@ -166,8 +166,8 @@ class ServerProcess:
         assert pid is not None
         if self.publisher_tid is None:
             self.publisher_tid = self.stats()["publisher_tid"]
-        gateway = own_cpu_seconds(pid)
-        publisher = (own_cpu_seconds(pid, self.publisher_tid)
+        gateway = cpu_seconds(pid)
+        publisher = (cpu_seconds(pid, self.publisher_tid)
                      if self.publisher_tid is not None else 0.0)
         return {"gateway": gateway, "publisher": publisher,
                 "workers": tree_cpu_seconds(pid) - gateway}
@@ -180,45 +180,6 @@ class ServerProcess:
             self.proc.join(30)
             if self.proc.is_alive():
                 self.proc.kill()
-
-
-def _stat_fields(path: str) -> list[str] | None:
-    try:
-        with open(path) as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def own_cpu_seconds(pid: int, tid: int | None = None) -> float:
-    """utime + stime of ``pid`` (all its threads, without its children), or of its thread
-    ``tid`` alone (Linux /proc)."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    fields = _stat_fields(path)
-    return sum(int(x) for x in fields[11:13]) / os.sysconf("SC_CLK_TCK") if fields else 0.0
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds of ``pid`` and its descendants, live or reaped (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        fields = _stat_fields(f"/proc/{entry}/stat")
-        if fields is None:
-            continue
-        parents[int(entry)] = int(fields[1])
-        # utime + stime, plus cutime + cstime: a worker that exited was reaped by its parent
-        # (the forkserver), which then carries its CPU time, so nothing is lost when one stops
-        times[int(entry)] = sum(int(x) for x in fields[11:15]) / tick
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        total += times.get(p, 0.0)
-        todo += [c for c, pp in parents.items() if pp == p]
-    return total
 
 
 # -- load and probe ----------------------------------------------------------------------------
