@@ -13,6 +13,7 @@ from murmura.aggregation.base import (
     create_aggregator,
     register_aggregator,
 )
+from murmura.aggregation.collusion import CollusionScreen
 from murmura.aggregation.fedavg import WeightedMean, weighted_mean
 from murmura.aggregation.fedbuff import FedBuff, StaleUpdateError
 from murmura.aggregation.filtering import DivideAndConquer, Flame
@@ -47,6 +48,7 @@ __all__ = [
     "AdaptiveClipping",
     "AggregationError",
     "CenteredClipping",
+    "CollusionScreen",
     "CoordinateMedian",
     "DivideAndConquer",
     "Flame",

@@ -1,6 +1,7 @@
-"""Pure functions on update directions: cosine matrices, FLAME's majority cluster and
-Divide-and-Conquer's outlier test. Used by :mod:`murmura.aggregation.filtering` and the default
-rule in :mod:`murmura.aggregation.sybil`.
+"""Pure functions on update directions: cosine matrices, FLAME's majority cluster,
+Divide-and-Conquer's outlier test and the spectral z-scores of the collusion screen. Used by
+:mod:`murmura.aggregation.filtering`, :mod:`murmura.aggregation.collusion` and the default rule
+in :mod:`murmura.aggregation.sybil`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy.typing as npt
 
 from murmura.aggregation.base import AggregationError
 
-__all__ = ["cosine_matrix", "dnc_outliers", "majority_cluster", "unit_rows"]
+__all__ = ["cosine_matrix", "dnc_outliers", "majority_cluster", "spectral_z", "unit_rows"]
 
 Floats = npt.NDArray[np.float64]
 Mask = npt.NDArray[np.bool_]
@@ -102,3 +103,49 @@ def dnc_outliers(x: npt.ArrayLike, *, f: int, c: float = 1.0, iterations: int = 
         scores = top**2
         flagged[np.argsort(scores, kind="stable")[n - drop:]] += 1
     return flagged == flagged.min()
+
+
+def spectral_z(rows: npt.ArrayLike) -> Floats:
+    """Robust z-score of each row along the rows' top principal direction.
+
+    The rows are centred on their coordinate-wise median, projected on the top right singular
+    vector of the centred matrix, and each projection is scored as (p - median(p)) / (1.4826 x
+    MAD(p)), one vote per row. The direction's sign is chosen so that the farthest row sits on
+    the positive side. A group that shares one direction the others do not (colluding
+    clients' common objective) dominates the top singular vector and lands together in the
+    positive tail; without such a group, the top direction is the largest honest variation and
+    the scores look like draws from a symmetric distribution. Each row is projected on the
+    direction made by the other rows (first-order leave-one-out), so one row unlike all the
+    others, which alone makes the top direction when rows outnumber nothing, is not scored as a
+    group. The test is Divide-and-Conquer's
+    (Shejwalkar and Houmansadr, NDSS 2021) with a robust threshold instead of a fixed number
+    of rows to drop. Fewer than 3 rows, or rows that do not vary, score 0.
+    """
+    a = np.asarray(rows, dtype=np.float64)
+    if a.ndim != 2:
+        raise AggregationError(f"expected a (rows, dim) matrix, got shape {a.shape}")
+    n = a.shape[0]
+    if n < 3:
+        return np.zeros(n)
+    centred = a - np.median(a, axis=0)
+    if not np.any(centred):
+        return np.zeros(n)
+    # Top singular vector from the small (n x n) Gram matrix G: the top direction is
+    # v = sum_j u_j c_j / sqrt(lam) for G's top eigenvector u. Row i is scored against the
+    # direction the *other* rows make, sum_{j != i} G_ij u_j / sqrt(lam) = (lam - G_ii) u_i
+    # / sqrt(lam): a lone outlier that alone makes the top direction (lam ~ G_ii) scores ~0,
+    # while members of a group that shares it keep their score.
+    gram = centred @ centred.T
+    vals, vecs = np.linalg.eigh(gram)
+    lam = max(float(vals[-1]), 0.0)
+    if not lam > 0:
+        return np.zeros(n)
+    p = (lam - np.diag(gram)) * vecs[:, -1] / math.sqrt(lam)
+    mid = float(np.median(p))
+    mad = 1.4826 * float(np.median(np.abs(p - mid)))
+    if not mad > 0:
+        return np.zeros(n)
+    z: Floats = (p - mid) / mad
+    if -z.min() > z.max():
+        z = -z
+    return z

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from murmura.aggregation.base import AggregationError, FlatVector, register_aggregator
+from murmura.aggregation.collusion import CollusionScreen
 from murmura.aggregation.robust import RobustAggregator
 from murmura.aggregation.robust_stats import (
     Floats,
@@ -269,9 +270,20 @@ class RobustDefault(SybilMean):
                  low: float = 0.95, high: float = 0.99, recent: int = 3,
                  norm_cap: float | None = 4.0, max_rows: int = 64, huber_c: float = 1.345,
                  weight_cap: float | None = 4.0, history: int = 32, head: int = 0,
-                 head_c: float | None = None) -> None:
+                 head_c: float | None = None, screen: bool = True, screen_low: float = 2.0,
+                 screen_high: float = 2.5, screen_window: int = 256,
+                 screen_short_low: float = 3.0, screen_short_high: float = 4.0,
+                 screen_pair_low: float | None = 0.65,
+                 screen_pair_high: float | None = 0.75, screen_centre_extra: int = 32) -> None:
         super().__init__(size, dim=dim, max_clients=max_clients, seed=seed, low=low, high=high,
                          recent=recent, weight_cap=weight_cap)
+        self.screen = (CollusionScreen(dim, max_clients=max_clients, window=screen_window,
+                                       low=screen_low, high=screen_high,
+                                       short_low=screen_short_low,
+                                       short_high=screen_short_high, pair_low=screen_pair_low,
+                                       pair_high=screen_pair_high,
+                                       centre_extra=screen_centre_extra) if screen else None)
+        self.last_effective: Floats = np.zeros(0)
         if int(max_rows) != max_rows or max_rows < 1:
             raise AggregationError(f"max_rows must be an integer >= 1, got {max_rows}")
         if int(history) != history or history < 0:
@@ -318,15 +330,31 @@ class RobustDefault(SybilMean):
         rng = np.random.default_rng([self.seed, self.scorer.clock])
         return np.sort(rng.choice(rows, size=self.max_rows, replace=False))
 
+    def screen_weights(self, s: Floats, factors: Floats, ids: list[str], first: bool) -> Floats:
+        """The collusion screen's weight per row (all 1 without a screen); the first call per
+        buffer adds the non-clone rows' residuals to their histories."""
+        if self.screen is None:
+            return np.ones(len(ids))
+        keys = [cid or f"\x00anonymous-{i}" for i, cid in enumerate(ids)]
+        if first:
+            self.screen.observe(keys, self._sketches, factors, centre_rows=s > 0.5)
+        return self.screen.weights(keys)
+
     def _robust(self, x: Stack, weights: Floats, factors: Floats, norms: Floats,
                 ids: list[str]) -> FlatVector:
+        first = not self._committed
         s = self.sybil_weights(x, factors, ids)
-        rows = self.voters(s, norms)
+        t = self.screen_weights(s, factors, ids, first)
+        rows = self.voters(s * t, norms)
+        # the weight each row votes with in the end: 0 outside the voters (clones, screened,
+        # or too long)
+        self.last_effective = np.zeros(len(ids))
+        self.last_effective[rows] = (s * t)[rows]
         self.last_voters = rows
         self.last_stat_rows = self.stat_rows(rows)
         if rows.size == 0:
             return np.zeros(self.size, dtype=np.float32)
-        w = cap_weights(weights[rows], ratio=self.weight_cap)
+        w = cap_weights(weights[rows], ratio=self.weight_cap) * t[rows]
         if not w.sum() > 0:  # every voter claimed no examples: one vote each
             w = np.ones(rows.size)
         stat = None if self.last_stat_rows.size == rows.size else self.last_stat_rows
@@ -358,6 +386,9 @@ class RobustDefault(SybilMean):
 
     def reset(self) -> None:
         """Clear the buffer; its voters' rows become the newest history."""
+        if self.screen is not None:
+            for key in self._anonymous:
+                self.screen.forget(key)
         super().reset()
         for cid, row in self._pending:
             slot = self._past_slots.pop(cid, None)
@@ -368,6 +399,20 @@ class RobustDefault(SybilMean):
             self._past_slots[cid] = slot
         self._pending = []
         self._noted = False
+
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The Sybil histories and, with the screen on, its residual histories."""
+        out = super().state_dict()
+        if self.screen is not None:
+            out.update({f"screen.{k}": v for k, v in self.screen.state_dict().items()})
+        return out
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        super().load_state_dict(state)
+        if self.screen is not None:
+            self.screen.load_state_dict({k[len("screen."):]: v for k, v in state.items()
+                                         if k.startswith("screen.")})
 
 
 register_aggregator("sybil", SybilMean)

@@ -42,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from murmura.aggregation.base import AggregationError, FlatVector
+from murmura.aggregation.collusion import CollusionScreen
 
 __all__ = ["SybilWeighting", "similarity_weights", "sketch_rows"]
 
@@ -125,6 +126,12 @@ class SybilWeighting:
         self._last = np.zeros((0, self.dim), dtype=np.float32)
         self._seen = np.zeros(0, dtype=np.int64)
         self.clock = 0
+        # Residual histories for the collusion screen of a standalone scorer (a gossip peer's
+        # mixing, :func:`murmura.gossip.mixing.mix`): kept here so they live as long as the
+        # scorer. Rows are allocated as clients arrive. Not part of :meth:`state_dict`.
+        self.screen: CollusionScreen | None = CollusionScreen(
+            self.dim, max_clients=self.max_clients, pair_low=0.65, pair_high=0.75,
+            centre_extra=32)
 
     def tick(self) -> None:
         """Start a new buffer: updates observed before it count as older by one."""

@@ -33,6 +33,19 @@ One grid, the same clients, split, seeds and attackers for every cell:
   client's latest update (in flight or just pushed). Attackers are 20 % of identities (5 next
   to 20 honest); backdoors 10 and 20 %; Sybil floods 10 / 30 / 50 % (2, 9, 20 clones).
   Attackers hold the honest mean example count, and claim it.
+* **issue-33 families** — triggers where honest digits have ink (``trigger-checker``: a 4x4
+  checkerboard in the middle; ``trigger-middle``: a solid 2x2 square in the middle;
+  ``trigger-left``: a 3x3 square on the left edge), each attacker on its own random sample;
+  ``dba`` (the checkerboard cut into pieces, one per attacker group, measured with the whole
+  trigger); ``flip-3-8`` (each attacker's own sample, half of it 3s, relabelled 8; success:
+  test 3s read as 8, and the target is the accuracy on test 3s); ``rotate`` (every label
+  y -> y + 1 mod 10); ``sybil-recraft`` (trust-building Sybils that send a new vector in
+  every training batch after the switch), at 10 / 20 % (triggers) and 20 / 30 % (flips).
+  ``--quick`` runs them for ``default`` only. **Gossip** (``gossip_cell``): 20 honest peers
+  plus 5 distinct checkerboard-backdoor peers, or one attacker behind 20 clones with 50 %
+  jitter; peer mixings ``fedavg``, ``sybil (before)`` (Sybil weights replacing the rule, as
+  before issue 33) and ``default + sybil + screen``; success averaged over honest peers.
+  Defence names may carry options for exploration: ``default[screen=0]``.
 * **defences** — registry names with their default options: ``fedavg`` (none), ``clip``,
   ``median``, ``trimmed-mean``, ``krum`` (f=1), ``multi-krum`` (f=1), ``centered-clip``,
   ``flame``, ``dnc``, ``sybil``, ``sybil-cclip`` (the default until issue 12) and ``default``.
@@ -73,14 +86,19 @@ from murmura.aggregation import create_aggregator  # noqa: E402
 from murmura.client.attacks import (  # noqa: E402
     add_trigger,
     alie,
+    backdoor_data,
     corner_trigger,
     ipm,
     min_max,
     min_sum,
+    rotate_labels,
     sign_flip,
+    split_trigger,
+    square_trigger,
     sybil_clones,
 )
 from murmura.client.malicious import Attack, make_attack  # noqa: E402
+from murmura.gossip import GossipConfig  # noqa: E402
 from murmura.protocols import ModelSpec, TaskSettings  # noqa: E402
 from murmura.server import ServerConfig  # noqa: E402
 from murmura.simulation import (  # noqa: E402
@@ -90,7 +108,9 @@ from murmura.simulation import (  # noqa: E402
     prepare_server,
 )
 from murmura.simulation.attacks import BatchHook, UpdateBatch  # noqa: E402
-from murmura.tasks import TaskConfig, load_task  # noqa: E402
+from murmura.simulation.gossip import GossipSimulation  # noqa: E402
+from murmura.simulation.gossip import SybilFlood as GossipClones  # noqa: E402
+from murmura.tasks import ArrayDataset, TaskConfig, load_task  # noqa: E402
 
 NAME = "robustness"
 HONEST = 20
@@ -117,6 +137,22 @@ SWITCH_AT = 2 / 3  # trust-building Sybils turn malicious after this share of th
 LOST = 0.05  # a Sybil weight at or below this counts as lost
 ASYNC_SPREAD = 4.0  # async: slowest / fastest device, so staleness comes from the event order
 LAST = 3  # versions averaged for the metrics
+
+
+#: Trigger variants (issue 33): (size, top-left row, top-left col, checkerboard) on the 8x8
+#: digits. ``corner`` is the 2x2 patch of the original ``backdoor`` scenario (pixels dark in
+#: almost every image); the others sit where honest digits have ink: a 4x4 checkerboard in the
+#: middle, a solid 2x2 square in the middle, a 3x3 square on the left edge (half on pixels
+#: honest digits use). ``dba`` splits the middle checkerboard between attacker groups.
+TRIGGERS: dict[str, tuple[int, int, int, bool]] = {
+    "corner": (PATCH, 8 - PATCH, 8 - PATCH, False),
+    "checker": (4, 2, 2, True),
+    "middle": (2, 3, 3, False),
+    "left": (3, 4, 0, False),
+    "dba": (4, 2, 2, True),
+}
+DBA_PARTS = 4  # DBA: the trigger is cut into this many pieces (fewer with fewer attackers)
+FLIP_SOURCE, FLIP_TARGET = 3, 8  # one-class label flip by distinct clients (issue 33)
 
 
 @dataclass(frozen=True)
@@ -152,7 +188,22 @@ SCENARIOS = [
     Scenario("ipm", 0.2),
     Scenario("min-max", 0.2),
     Scenario("min-sum", 0.2),
+    # issue 33: triggers where honest data lives, DBA, label flips of one and of all classes,
+    # trust-building Sybils that re-craft their vector per batch
+    *(Scenario(f"trigger-{t}", share, True) for t in ("checker", "middle", "left")
+      for share in (0.1, 0.2)),
+    Scenario("dba", 0.1, True),
+    Scenario("dba", 0.2, True),
+    Scenario("flip-3-8", 0.2, True),
+    Scenario("flip-3-8", 0.3, True),
+    Scenario("rotate", 0.2),
+    Scenario("rotate", 0.3),
+    Scenario("sybil-recraft", 0.2),
 ]
+#: the issue-33 families: --quick runs them for ``default`` only (FedAvg's figures for them
+#: come from the full run), which keeps it within a few minutes
+NEW_ATTACKS = ("trigger-checker", "trigger-middle", "trigger-left", "dba", "flip-3-8",
+               "rotate", "sybil-recraft")
 QUICK_SCENARIOS = [s for s in SCENARIOS
                    if s.attack not in ("label-flip", "sign-flip", "noise", "boost")]
 
@@ -178,7 +229,30 @@ class Harness:
         self.source_mask = test.y == SOURCE
         self.trigger = corner_trigger(test.x.shape[1], size=PATCH)
         stamped = test.y != TARGET
-        self.triggered_x = torch.from_numpy(add_trigger(test.x[stamped], self.trigger))
+        self.triggered: dict[str, torch.Tensor] = {}
+        for name in TRIGGERS:
+            idx, val = self.trigger_pixels(name)
+            self.triggered[name] = torch.from_numpy(add_trigger(test.x[stamped], idx,
+                                                                value=val))
+        self.triggered_x = self.triggered["corner"]
+        self.flip_mask = test.y == FLIP_SOURCE
+
+    def trigger_pixels(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """The full trigger ``name`` (indices, values) on the task's square images."""
+        size, row, col, checker = TRIGGERS[name]
+        return square_trigger(self.task.test.x.shape[1], size=size, row=row, col=col,
+                              checker=checker)
+
+    def flip_share(self, i: int) -> np.ndarray:
+        """Attacker ``i``'s own data for the 3 -> 8 flip: ``mean_n`` images, half of them 3s
+        (drawn per attacker, so the attackers are distinct clients)."""
+        train = self.task.train
+        rng = np.random.default_rng([13, i])
+        src = np.flatnonzero(train.y == FLIP_SOURCE)
+        rest = np.flatnonzero(train.y != FLIP_SOURCE)
+        half = self.mean_n // 2
+        return np.concatenate([rng.choice(src, size=min(half, len(src)), replace=False),
+                               rng.choice(rest, size=self.mean_n - half, replace=False)])
 
     def attacker_share(self, i: int) -> np.ndarray:
         """Attacker ``i``'s data, as indices into the training set: half source-class images,
@@ -198,17 +272,21 @@ class Harness:
         rng = np.random.default_rng([11, i])
         return rng.choice(len(self.task.train), size=self.mean_n, replace=False)
 
-    def metrics(self, params: np.ndarray) -> tuple[float, float, float]:
-        """Clean accuracy, label-flip success (test 1s read as 7) and backdoor success
-        (triggered test images of other classes read as 7)."""
+    def metrics(self, params: np.ndarray, trigger: str = "corner"
+                ) -> tuple[float, float, float, float, float]:
+        """Clean accuracy, label-flip success (test 1s read as 7), backdoor success
+        (test images of other classes stamped with ``trigger``, read as 7), 3 -> 8 flip
+        success (test 3s read as 8) and the accuracy on test 3s."""
         self.spec.load_into(self.probe, params)
         self.probe.eval()
         with torch.no_grad():
             pred = self.probe(self.test_x).argmax(dim=1).numpy()
-            trig = self.probe(self.triggered_x).argmax(dim=1).numpy()
+            trig = self.probe(self.triggered[trigger]).argmax(dim=1).numpy()
         acc = float(np.mean(pred == self.test_y))
         asr = float(np.mean(pred[self.source_mask] == TARGET))
-        return acc, asr, float(np.mean(trig == TARGET))
+        flip = pred[self.flip_mask]
+        return (acc, asr, float(np.mean(trig == TARGET)), float(np.mean(flip == FLIP_TARGET)),
+                float(np.mean(flip == FLIP_SOURCE)))
 
 
 _HARNESS: Harness | None = None
@@ -278,6 +356,7 @@ class SybilSwitch:
         self.rng = np.random.default_rng([seed, 98])
         self.switch = switch
         self.poison: np.ndarray | None = None
+        self.poisons: list[np.ndarray] = []  # every malicious vector sent so far
         self.switched = False  # a malicious update has been trained
 
     def __call__(self, batch: UpdateBatch) -> dict[int, np.ndarray]:
@@ -286,9 +365,56 @@ class SybilSwitch:
             if c >= HONEST and version >= self.switch:
                 if self.poison is None:
                     self.poison = sign_flip(u, scale=SIGN_SCALE)
+                    self.poisons.append(self.poison)
                 out[c] = sybil_clones(self.poison, k=1, jitter=JITTER, rng=self.rng)[0]
                 self.switched = True
         return out
+
+
+class SybilRecraft(SybilSwitch):
+    """Trust-building Sybils that re-craft their vector in every training batch after the
+    switch (-3 x the update the batch's first Sybil trained, sent by each Sybil of the batch
+    with its own 5 % jitter): in async buffers the malicious vectors of different batches are
+    not clones of each other, only those of one batch are."""
+
+    def __call__(self, batch: UpdateBatch) -> dict[int, np.ndarray]:
+        out = {}
+        poison = None
+        for c, version, u in zip(batch.clients, batch.versions, batch.updates, strict=True):
+            if c >= HONEST and version >= self.switch:
+                if poison is None:
+                    poison = sign_flip(u, scale=SIGN_SCALE)
+                    self.poison = poison
+                    self.poisons.append(poison)
+                out[c] = sybil_clones(poison, k=1, jitter=JITTER, rng=self.rng)[0]
+                self.switched = True
+        return out
+
+
+def trigger_attack(indices: np.ndarray, values: np.ndarray, seed: int) -> Attack:
+    """A backdoor client's data attack with an arbitrary trigger (the deployable
+    ``make_attack("backdoor")`` stamps the corner patch only): a ``BACKDOOR_FRACTION`` of its
+    own images stamped and relabelled ``TARGET``."""
+    rng = np.random.default_rng(seed)
+
+    def poison(d: ArrayDataset) -> ArrayDataset:
+        flat = np.asarray(d.x, dtype=np.float32).reshape(len(d.x), -1)
+        x, y = backdoor_data(flat, d.y, trigger=indices, target=TARGET,
+                             fraction=BACKDOOR_FRACTION, rng=rng, value=values)
+        return ArrayDataset(x.reshape(d.x.shape).astype(d.x.dtype, copy=False), y)
+
+    return Attack(data=poison)
+
+
+def trigger_of(sc: Scenario) -> str:
+    """The trigger a backdoor scenario is measured with (the assembled one for DBA)."""
+    if sc.attack.startswith("trigger-"):
+        return sc.attack[len("trigger-"):]
+    return "dba" if sc.attack == "dba" else "corner"
+
+
+def is_backdoor(sc: Scenario) -> bool:
+    return sc.attack.startswith(("backdoor", "trigger-")) or sc.attack == "dba"
 
 
 def scenario_attacks(sc: Scenario, seed: int, versions: int = 1
@@ -303,8 +429,23 @@ def scenario_attacks(sc: Scenario, seed: int, versions: int = 1
                                             "fraction": str(BACKDOOR_FRACTION),
                                             "boost": str(boost)}, seed=seed * 1000 + c)
                 for c in attackers}, None
-    if sc.attack == "sybil-switch":
-        return {}, SybilSwitch(seed, max(1, math.floor(SWITCH_AT * versions)))
+    if sc.attack.startswith("trigger-") or sc.attack == "dba":
+        idx, val = harness().trigger_pixels(trigger_of(sc))
+        parts = (split_trigger(idx, val, min(DBA_PARTS, sc.attackers)) if sc.attack == "dba"
+                 else [(idx, val)])
+        return {c: trigger_attack(parts[j % len(parts)][0], parts[j % len(parts)][1],
+                                  seed * 1000 + c) for j, c in enumerate(attackers)}, None
+    if sc.attack == "flip-3-8":
+        flip38 = make_attack("label-flip", {"source": str(FLIP_SOURCE),
+                                            "target": str(FLIP_TARGET)})
+        return dict.fromkeys(attackers, flip38), None
+    if sc.attack == "rotate":
+        rotate = Attack(data=lambda d: ArrayDataset(
+            d.x, np.asarray(rotate_labels(d.y, shift=1, classes=10), dtype=np.int64)))
+        return dict.fromkeys(attackers, rotate), None
+    if sc.attack in ("sybil-switch", "sybil-recraft"):
+        kind = SybilSwitch if sc.attack == "sybil-switch" else SybilRecraft
+        return {}, kind(seed, max(1, math.floor(SWITCH_AT * versions)))
     if sc.attack in ("none", "alie", "ipm", "min-max", "min-sum"):
         hook = CrowdAttack(sc.attack, sc.attackers) if sc.attackers else None
         return {}, hook
@@ -321,10 +462,20 @@ def scenario_attacks(sc: Scenario, seed: int, versions: int = 1
     raise ValueError(f"unknown scenario attack {sc.attack!r}")
 
 
+def parse_defence(defence: str) -> tuple[str, dict[str, str]]:
+    """A registry name, or ``name[key=value,...]`` for a variant with options (e.g.
+    ``default[screen=0]``, the default without its collusion screen)."""
+    if not defence.endswith("]"):
+        return defence, {}
+    name, _, rest = defence[:-1].partition("[")
+    return name, dict(item.split("=", 1) for item in rest.split(",") if item)
+
+
 def run_cell(args: tuple[str, Scenario, str, int, int, int, TaskSettings]) -> dict[str, Any]:
     """One (defence, scenario, mode, seed) cell: a :class:`Simulation` of the honest clients
     and the attackers, with the attacks injected through the engine's hooks."""
     defence, sc, mode, rounds, buffer, seed, settings = args
+    name, options = parse_defence(defence)
     t0 = time.perf_counter()
     h = harness()
     k = sc.attackers
@@ -337,9 +488,11 @@ def run_cell(args: tuple[str, Scenario, str, int, int, int, TaskSettings]) -> di
                            availability="always", vectorise="off", workers=1, threads=1)
     server = prepare_server(ServerConfig.from_flat(
         mode=mode, max_versions=versions, min_clients=total, cohort_fraction=1.0,
-        buffer_size=buffer, max_staleness=50, defense=defence, seed=seed, train=settings), sim)
-    own = sc.attack.startswith("backdoor") or sc.attack == "sybil-switch"
-    shares = h.shares + [h.own_share(j) if own else
+        buffer_size=buffer, max_staleness=50, defense=name, defense_options=options, seed=seed,
+        train=settings), sim)
+    own = is_backdoor(sc) or sc.attack in ("sybil-switch", "sybil-recraft", "rotate")
+    shares = h.shares + [h.own_share(j) if own else h.flip_share(j)
+                         if sc.attack == "flip-3-8" else
                          h.attacker_share(0 if sc.attack == "sybil" else j) for j in range(k)]
     data = SimulationData(h.task, shares, f"{h.task_config.task} (bundled) + {k} attackers")
     attacks, hook = scenario_attacks(sc, seed, versions)
@@ -352,13 +505,19 @@ def run_cell(args: tuple[str, Scenario, str, int, int, int, TaskSettings]) -> di
         assert engine is not None
         history.append(engine.core.params.copy())
         rule = engine.core.policy.aggregator
-        if isinstance(hook, SybilSwitch) and hook.poison is not None and hasattr(rule, "scorer"):
-            # Malicious Sybil rows of this version: Sybil ids whose update points along the
+        if isinstance(hook, SybilSwitch) and hook.poisons and hasattr(rule, "scorer"):
+            # Malicious Sybil rows of this version: Sybil ids whose update points along a
             # poison (cosine > 0.9 on the rule's own sketches; honest updates are far below).
-            ps = rule.scorer.sketch(hook.poison)
+            # The weight counted is what the rule gave the row in the end (``last_effective``:
+            # the Sybil weight times any later screen's), else its Sybil weight.
+            ps = rule.scorer.sketch(np.stack(hook.poisons[-8:]))
             sk = rule._sketches
-            cos = sk @ ps / np.maximum(np.linalg.norm(sk, axis=1) * np.linalg.norm(ps), 1e-30)
-            ws = [w for i, w, c in zip(rule.last_ids, rule.last_weights, cos, strict=True)
+            cos = (sk @ ps.T / np.maximum(np.linalg.norm(sk, axis=1)[:, None]
+                                          * np.linalg.norm(ps, axis=1)[None, :], 1e-30)).max(1)
+            given = getattr(rule, "last_effective", None)
+            if given is None or len(given) != len(rule.last_ids):
+                given = rule.last_weights
+            ws = [w for i, w, c in zip(rule.last_ids, given, cos, strict=True)
                   if i in sybil_ids and c > 0.9]
             if ws:
                 kept.append(float(max(ws)))
@@ -367,19 +526,69 @@ def run_cell(args: tuple[str, Scenario, str, int, int, int, TaskSettings]) -> di
                         progress=on_version, attacks=attacks, update_hook=hook)
     sybil_ids.update(engine.ids[HONEST:])
     result = engine.run()
-    m = np.array([h.metrics(p) for p in history[-LAST:]])
-    backdoor = sc.attack.startswith("backdoor")
+    m = np.array([h.metrics(p, trigger_of(sc)) for p in history[-LAST:]])
+    backdoor = is_backdoor(sc)
     # Versions holding a malicious Sybil update in which one still had weight > LOST.
     lag = sum(1 for w in kept if w > LOST) if kept else None
     return {"defence": defence, "attack": sc.attack, "share": sc.share, "scenario": sc.label,
             "targeted": sc.targeted, "attackers": k, "mode": mode,
             "accuracy": float(m[:, 0].mean()),
-            "success": float(m[:, 2 if backdoor else 1].mean()),
+            "success": float(m[:, 2 if backdoor else 3 if sc.attack == "flip-3-8" else 1]
+                             .mean()),
             "backdoor_success": float(m[:, 2].mean()),
+            "flip_source_accuracy": float(m[:, 4].mean()),
             "sybil_weights_after_switch": kept, "sybil_lag": lag,
             "versions": result.version, "seconds": time.perf_counter() - t0,
             "staleness": {str(s): n for s, n in sorted(result.staleness.items())},
             "refused": result.summary["simulation"]["refused"]}
+
+
+# -- gossip ------------------------------------------------------------------------------
+
+#: Gossip scenarios (issue 33): 20 honest peers plus attackers as extra peers, epidemic
+#: topology, the checkerboard trigger. ``distinct``: 5 peers (20 %), each training on its own
+#: sample with the trigger; ``clones``: one attacker behind 20 identities (50 %), every identity
+#: gossiping the attacker's model with 50 % jitter (noise of half the update's norm).
+GOSSIP_SCENARIOS = {"distinct 20%": ("distinct", 5, 0.0), "clones 50%, jitter 50%":
+                    ("clones", 20, 0.5)}
+#: Peer mixing configurations: plain averaging; Sybil weights alone (the mixing before issue
+#: 33, which skipped the rule); the default rule with Sybil weights and the collusion screen.
+GOSSIP_MIXING = {"fedavg": ("fedavg", False, False), "sybil (before)": ("fedavg", True, False),
+                 "default + sybil + screen": ("default", True, True)}
+GOSSIP_ROUNDS, GOSSIP_TRIGGER = 20, "checker"
+
+
+def gossip_cell(args: tuple[str, str, int, int, TaskSettings]) -> dict[str, Any]:
+    """One gossip run: the mean, over honest peers, of their final models' clean accuracy and
+    backdoor success."""
+    scenario, mixing, rounds, seed, settings = args
+    t0 = time.perf_counter()
+    h = harness()
+    kind, k, jitter = GOSSIP_SCENARIOS[scenario]
+    rule, sybil, screen = GOSSIP_MIXING[mixing]
+    idx, val = h.trigger_pixels(GOSSIP_TRIGGER)
+    shares = h.shares + [h.own_share(j) for j in range(k)]
+    data = SimulationData(h.task, shares, f"{h.task_config.task} (bundled) + {k} attackers")
+    poisoned = range(k) if kind == "distinct" else range(1)  # clones: the lead trains
+    attacks = {HONEST + j: trigger_attack(idx, val, seed=seed * 1000 + HONEST + j)
+               for j in poisoned}
+    cfg = GossipConfig(rounds=rounds, lr=settings.lr, local_epochs=settings.local_epochs,
+                       batch_size=settings.batch_size, momentum=settings.momentum, rule=rule,
+                       sybil=sybil, seed=seed)
+    sim = SimulationConfig(clients=HONEST + k, vectorise="off", workers=1, threads=1)
+    flood = (GossipClones(tuple(range(HONEST, HONEST + k)), jitter=jitter) if kind == "clones"
+             else None)
+    engine = GossipSimulation(h.task_config, cfg, sim, data=data, attacks=attacks,
+                              sybils=flood, out_dir=None, eval_every=rounds)
+    if sybil and not screen:
+        for node in engine.nodes:
+            assert node.sybil is not None
+            node.sybil.screen = None
+    result = engine.run()
+    m = np.array([h.metrics(p, GOSSIP_TRIGGER) for p in result.models[:HONEST]])
+    return {"scenario": scenario, "mixing": mixing, "seed": seed,
+            "accuracy": float(m[:, 0].mean()), "success": float(m[:, 2].mean()),
+            "success_max": float(m[:, 2].max()), "seconds": time.perf_counter() - t0}
 
 
 # -- aggregation cost ----------------------------------------------------------------------
@@ -453,6 +662,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="server/training/attacker seeds (default 0 1; targets: worst seed)")
         p.add_argument("--agg-updates", type=int, default=None,
                        help="updates timed per rule at 1 M parameters (default 1000; quick 200)")
+        p.add_argument("--only", nargs="+", default=None, metavar="ATTACK",
+                       help="development: run only these scenario attacks (plus no attack); "
+                            "targets whose cells were not run are left out")
+        p.add_argument("--defences", nargs="+", default=None,
+                       help="development: run only these defences (fedavg is always run)")
+        p.add_argument("--skip-timing", action="store_true",
+                       help="development: leave out the aggregation timing")
+        p.add_argument("--skip-gossip", action="store_true",
+                       help="development: leave out the gossip runs (with --only, they run "
+                            "only when 'gossip' is listed)")
 
     args = parse_args(NAME, __doc__.splitlines()[0], argv, extra)
     torch.set_num_threads(1)
@@ -461,6 +680,10 @@ def main(argv: list[str] | None = None) -> int:
     seeds = tuple(dict.fromkeys(args.seeds))
     defences = QUICK_DEFENCES if args.quick else DEFENCES
     scenarios = QUICK_SCENARIOS if args.quick else SCENARIOS
+    if args.defences:
+        defences = list(dict.fromkeys(["fedavg", *args.defences]))
+    if args.only:
+        scenarios = [s for s in SCENARIOS if s.attack in ("none", *args.only)]
     agg_n = args.agg_updates or (200 if args.quick else 1000)
     agg_p = 1_000_000
     settings = SETTINGS
@@ -477,8 +700,12 @@ def main(argv: list[str] | None = None) -> int:
         "sybil_jitter": JITTER, "async_speed_spread": ASYNC_SPREAD,
         "backdoor_fraction": BACKDOOR_FRACTION, "trigger_patch": PATCH, "switch_at": SWITCH_AT,
         "aggregation_updates": agg_n, "aggregation_params": agg_p})
+    def runs(d: str, s: Scenario) -> bool:
+        # --quick: the issue-33 families for ``default`` only (their targets are its)
+        return not (args.quick and s.attack in NEW_ATTACKS and d != "default")
+
     cells = [(d, s, m, rounds, buffer, seed, settings) for seed in seeds for m in modes
-             for s in scenarios for d in defences]
+             for s in scenarios for d in defences if runs(d, s)]
     progress(f"{len(cells)} runs on {args.workers} workers, {rounds} rounds each")
     t0 = time.perf_counter()
     per_seed: list[dict[str, Any]] = []
@@ -496,6 +723,8 @@ def main(argv: list[str] | None = None) -> int:
             for d in defences:
                 rs = [r for r in per_seed if r["mode"] == m and r["defence"] == d
                       and r["scenario"] == sc.label]
+                if not rs:
+                    continue
                 results.append({**rs[0], "seed": None,
                                 "accuracy": float(np.mean([r["accuracy"] for r in rs])),
                                 "success": float(np.mean([r["success"] for r in rs])),
@@ -504,7 +733,13 @@ def main(argv: list[str] | None = None) -> int:
                                 "accuracy_per_seed": [r["accuracy"] for r in rs],
                                 "success_per_seed": [r["success"] for r in rs],
                                 "backdoor_success_per_seed": [r["backdoor_success"]
-                                                              for r in rs]})
+                                                              for r in rs],
+                                "flip_source_accuracy_per_seed": [r["flip_source_accuracy"]
+                                                                  for r in rs]})
+
+    def have(mode: str, defence: str, label: str) -> bool:
+        return any(r["mode"] == mode and r["defence"] == defence and r["scenario"] == label
+                   for r in results)
 
     def get(mode: str, defence: str, label: str) -> dict[str, Any]:
         return next(r for r in results if r["mode"] == mode and r["defence"] == defence
@@ -547,13 +782,16 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         rows = []
         for d in defences:
-            row: dict[str, Any] = {"defence": d, "mode": mode}
+            row = {"defence": d, "mode": mode}
             for lab in labels:
+                if not have(mode, d, lab):
+                    row[lab] = "–"
+                    continue
                 r = get(mode, d, lab)
                 sc = next(s for s in SCENARIOS if s.label == lab)
                 row[lab] = (f"{_pct(r['accuracy'])} / {_pct(r['success'])}"
                             if sc.targeted or sc.attack == "none" else _pct(r["accuracy"]))
-                if sc.attack == "sybil-switch" and r["sybil_lag"] is not None:
+                if sc.attack.startswith("sybil-") and r["sybil_lag"] is not None:
                     row[lab] += f" (lag {r['sybil_lag']})"
             rows.append(row)
         report.table(f"{mode}: clean accuracy % (no attack and targeted attacks: accuracy / "
@@ -563,6 +801,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- targets (both modes), each on the worst seed -------------------------------------
     for mode in modes:
+        if not have(mode, "default", "no attack"):  # a development run without default
+            continue
         base = seeds_of(mode, "fedavg", "no attack", "accuracy")  # per seed
 
         def cost(defence: str, label: str, mode: str = mode,
@@ -574,55 +814,130 @@ def main(argv: list[str] | None = None) -> int:
         value, detail = cost("default", "no attack")
         report.target(f"{mode}: default, no attack, cost vs FedAvg (worst seed)", value, "<=",
                       0.5, unit="points", detail=detail)
-        succ = []
-        for share in (0.1, 0.3, 0.5):
-            label = f"sybil {share:.0%}"
-            s = seeds_of(mode, "default", label, "success")
-            succ.append(s)
-            report.target(f"{mode}: default, Sybil {share:.0%}, attack success (worst seed)",
-                          float(100 * s.max()), "<=", 5, unit="%",
-                          detail=f"per seed {per_seed_pct(s)}; 1s read as 7 with no attack: "
-                          f"FedAvg {per_seed_pct(seeds_of(mode, 'fedavg', 'no attack', 'success'))}"
-                          f", default "
-                          f"{per_seed_pct(seeds_of(mode, 'default', 'no attack', 'success'))}")
-            value, detail = cost("default", label)
-            report.target(f"{mode}: default, Sybil {share:.0%}, cost vs no-attack FedAvg "
-                          "(worst seed)", value, "<=", 1, unit="points", detail=detail)
-        rise = float(100 * max(np.max(succ[1] - succ[0]), np.max(succ[2] - succ[1])))
-        report.target(f"{mode}: default, attack success never rises with more Sybils "
-                      "(worst seed)", rise, "<=", 0, unit="points",
-                      detail="largest rise 10->30->50 % on any seed; "
-                      + "; ".join(f"seed {sd}: " + " / ".join(_pct(v[i]) for v in succ)
-                                  for i, sd in enumerate(seeds)))
+        if all(have(mode, "default", f"sybil {x:.0%}") for x in (0.1, 0.3, 0.5)):
+            succ = []
+            for share in (0.1, 0.3, 0.5):
+                label = f"sybil {share:.0%}"
+                s = seeds_of(mode, "default", label, "success")
+                succ.append(s)
+                report.target(f"{mode}: default, Sybil {share:.0%}, attack success (worst seed)",
+                              float(100 * s.max()), "<=", 5, unit="%",
+                              detail=f"per seed {per_seed_pct(s)}; 1s read as 7 with no "
+                              "attack: FedAvg "
+                              f"{per_seed_pct(seeds_of(mode, 'fedavg', 'no attack', 'success'))}"
+                              f", default "
+                              f"{per_seed_pct(seeds_of(mode, 'default', 'no attack', 'success'))}")
+                value, detail = cost("default", label)
+                report.target(f"{mode}: default, Sybil {share:.0%}, cost vs no-attack FedAvg "
+                              "(worst seed)", value, "<=", 1, unit="points", detail=detail)
+            rise = float(100 * max(np.max(succ[1] - succ[0]), np.max(succ[2] - succ[1])))
+            report.target(f"{mode}: default, attack success never rises with more Sybils "
+                          "(worst seed)", rise, "<=", 0, unit="points",
+                          detail="largest rise 10->30->50 % on any seed; "
+                          + "; ".join(f"seed {sd}: " + " / ".join(_pct(v[i]) for v in succ)
+                                      for i, sd in enumerate(seeds)))
         for attack in ("alie", "ipm", "min-max", "min-sum"):
+            if not have(mode, "default", f"{attack} 20%"):
+                continue
             value, detail = cost("default", f"{attack} 20%")
             report.target(f"{mode}: default, {attack.upper()} 20%, cost vs no-attack FedAvg "
                           "(worst seed)", value, "<=", 3, unit="points", detail=detail)
-        for attack in ("backdoor", "backdoor-boost"):
+        for attack in ("backdoor", "backdoor-boost", "trigger-checker", "trigger-middle",
+                       "trigger-left", "dba"):
             for share in (0.1, 0.2):
                 label = f"{attack} {share:.0%}"
+                if not have(mode, "default", label):
+                    continue
                 s = seeds_of(mode, "default", label, "success")
-                f = seeds_of(mode, "fedavg", label, "success")
+                f = (seeds_of(mode, "fedavg", label, "success")
+                     if have(mode, "fedavg", label) else None)
                 clean = seeds_of(mode, "default", "no attack", "backdoor_success")
                 report.target(f"{mode}: default, {label}, backdoor success (worst seed)",
-                              float(100 * s.max()), "<=", 5, unit="%",
-                              detail=f"per seed {per_seed_pct(s)}; FedAvg {per_seed_pct(f)}; "
+                              float(100 * s.max()), "<=",
+                              5 if share < 0.15 or attack.startswith("backdoor") else 10,
+                              unit="%",
+                              detail=f"per seed {per_seed_pct(s)}; FedAvg "
+                              f"{per_seed_pct(f) if f is not None else 'not run'}; "
                               f"triggered images read as {TARGET} with no attack: default "
                               f"{per_seed_pct(clean)}")
-        r = get(mode, "default", "sybil-switch 20%")
-        report.target(f"{mode}: default, trust-building Sybils 20%, versions they keep weight "
-                      "after switching (worst seed)",
-                      float(r["sybil_lag"] if r["sybil_lag"] is not None else math.inf), "<=",
-                      2, unit="versions",
-                      detail=f"accuracy {per_seed_pct(np.array(r['accuracy_per_seed']))}")
+        for attack in ("sybil-switch", "sybil-recraft"):
+            if not have(mode, "default", f"{attack} 20%"):
+                continue
+            r = get(mode, "default", f"{attack} 20%")
+            what = "" if attack == "sybil-switch" else " re-crafting per batch"
+            report.target(f"{mode}: default, trust-building Sybils{what} 20%, versions they "
+                          "keep weight after switching (worst seed)",
+                          float(r["sybil_lag"] if r["sybil_lag"] is not None else math.inf),
+                          "<=", 2, unit="versions",
+                          detail=f"accuracy {per_seed_pct(np.array(r['accuracy_per_seed']))}")
+        base3 = seeds_of(mode, "fedavg", "no attack", "flip_source_accuracy")
+        if have(mode, "default", "flip-3-8 30%"):
+            s3 = seeds_of(mode, "default", "flip-3-8 30%", "flip_source_accuracy")
+            report.target(f"{mode}: default, 3->8 label flip 30%, test 3s lost vs no-attack "
+                          "FedAvg (worst seed)", float(100 * np.max(base3 - s3)), "<=", 10,
+                          unit="points",
+                          detail=f"3s read as 3: {per_seed_pct(s3)}; FedAvg no attack "
+                          f"{per_seed_pct(base3)}; 3s read as 8: "
+                          f"{per_seed_pct(seeds_of(mode, 'default', 'flip-3-8 30%', 'success'))}")
+        if have(mode, "default", "rotate 30%"):
+            value, detail = cost("default", "rotate 30%")
+            report.target(f"{mode}: default, all-class label rotation 30%, cost vs no-attack "
+                          "FedAvg (worst seed)", value, "<=", 2, unit="points", detail=detail)
+
+    # -- gossip: peers mixing their neighbours' models ------------------------------------
+    if not args.skip_gossip and (args.only is None or "gossip" in args.only):
+        mixings = (["default + sybil + screen"] if args.quick or args.smoke
+                   else list(GOSSIP_MIXING))
+        g_rounds = rounds if args.smoke else GOSSIP_ROUNDS
+        g_cells = [(sc, mx, g_rounds, seed, settings) for seed in seeds
+                   for sc in GOSSIP_SCENARIOS for mx in mixings]
+        progress(f"gossip: {len(g_cells)} runs, {g_rounds} rounds each")
+        t1 = time.perf_counter()
+        with ProcessPoolExecutor(max_workers=args.workers) as pool:
+            g_rows = list(pool.map(gossip_cell, g_cells))
+        g_rows_mean = []
+        for g_sc in GOSSIP_SCENARIOS:
+            for mx in mixings:
+                rs = [r for r in g_rows if r["scenario"] == g_sc and r["mixing"] == mx]
+                g_rows_mean.append({
+                    "scenario": g_sc, "mixing": mx,
+                    "accuracy": " / ".join(_pct(r["accuracy"]) for r in rs),
+                    "success": " / ".join(_pct(r["success"]) for r in rs),
+                    "success_max": " / ".join(_pct(r["success_max"]) for r in rs)})
+                if mx == "default + sybil + screen":
+                    worst = max(r["success"] for r in rs)
+                    goal = 10.0 if g_sc.startswith("distinct") else 5.0
+                    report.target(f"gossip: {g_sc} backdoor peers, success on the average honest "
+                                  "peer with default + Sybil weights + screen (worst seed)",
+                                  100 * worst, "<=", goal, unit="%",
+                                  detail="per seed " + " / ".join(_pct(r["success"])
+                                                                  for r in rs)
+                                  + "; worst honest peer " + " / ".join(
+                                      _pct(r["success_max"]) for r in rs))
+        report.table(f"Gossip: honest peers' final models, seeds {list(seeds)} (accuracy %, "
+                     "backdoor success % averaged over honest peers, and on the worst peer)",
+                     [Column("scenario", "attack"), Column("mixing", "peer mixing"),
+                      Column("accuracy", "accuracy"), Column("success", "backdoor success"),
+                      Column("success_max", "worst peer")], g_rows_mean)
+        report.note(
+            f"Gossip: {HONEST} honest peers plus the attackers as extra peers, epidemic "
+            f"topology, {g_rounds} rounds, local training as above; the trigger is the "
+            f"{GOSSIP_TRIGGER} one; {len(g_cells)} runs in {time.perf_counter() - t1:.0f} s. "
+            "'sybil (before)' is the mixing before issue 33 (Sybil weights replace the rule).",
+            after_tables=True)
+        report.params["gossip_runs"] = g_rows
 
     # -- aggregation cost ----------------------------------------------------------------
+    if args.skip_timing:
+        plot(report, results, modes, defences, scenarios)
+        report.params["runs"] = per_seed
+        return report.finish(save=not args.no_save)
     progress(f"timing aggregation: {agg_n} updates of {agg_p:,} parameters")
     rules = list(dict.fromkeys(defences + ["multi-krum", "sybil-cclip", "default"]))
-    cost = aggregation_cost(agg_n, agg_p, rules)
+    timings = aggregation_cost(agg_n, agg_p, rules)
     # The 2x target: today's default composition (sybil-cclip) against the new default,
     # timed alternately twice more so that a noisy neighbour hits both alike; medians of 3.
-    pair = [r for r in cost if r["rule"] in ("sybil-cclip", "default")]
+    pair = [r for r in timings if r["rule"] in ("sybil-cclip", "default")]
     for _ in range(2):
         pair += aggregation_cost(agg_n, agg_p, ["sybil-cclip", "default"])
     med = {k: float(np.median([r["result_s"] for r in pair if r["rule"] == k]))
@@ -639,7 +954,7 @@ def main(argv: list[str] | None = None) -> int:
     report.table(f"Aggregation cost: {agg_n} updates of {agg_p / 1e6:.0f} M float32 parameters",
                  [Column("rule", "rule"), Column("add_s", "add() all, s", "{:.2f}"),
                   Column("result_s", "result(), s", "{:.2f}"),
-                  Column("result_cpu_s", "result(), CPU-s", "{:.2f}")], cost)
+                  Column("result_cpu_s", "result(), CPU-s", "{:.2f}")], timings)
     report.note(
         f"Aggregation cost: one `result()` per rule, in one process, after `add()` of {agg_n} "
         f"synthetic updates of {agg_p:,} values (weight 100 each, no staleness); wall time "

@@ -25,7 +25,10 @@ __all__ = [
     "ipm",
     "min_max",
     "min_sum",
+    "rotate_labels",
     "scale_update",
+    "split_trigger",
+    "square_trigger",
     "sign_flip",
     "sybil_clones",
 ]
@@ -148,9 +151,52 @@ def corner_trigger(num_features: int, *, size: int = 2) -> npt.NDArray[np.intp]:
     return (rows[:, None] * side + rows[None, :]).ravel().astype(np.intp)
 
 
-def add_trigger(x: npt.ArrayLike, trigger: npt.ArrayLike, *, value: float = 1.0
-                ) -> npt.NDArray[np.float32]:
-    """A copy of the (n, features) inputs ``x`` with the ``trigger`` features set to ``value``."""
+def square_trigger(num_features: int, *, size: int, row: int, col: int,
+                   checker: bool = False) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.float32]]:
+    """A ``size`` x ``size`` patch whose top-left pixel is (``row``, ``col``) in a square image
+    stored row by row: its flat indices and the values to stamp there (all 1, or a
+    checkerboard of 1 and 0 when ``checker``). Placed where honest images have ink (the middle
+    of a digit), the trigger shares its input weights with the honest task, unlike a corner
+    patch on pixels that are dark in almost every image."""
+    side = math.isqrt(num_features)
+    if side * side != num_features or size < 1 or not (0 <= row <= side - size
+                                                       and 0 <= col <= side - size):
+        raise ValueError(f"a {size}x{size} patch at ({row}, {col}) does not fit a square image "
+                         f"of {num_features} features")
+    r, c = np.meshgrid(np.arange(row, row + size), np.arange(col, col + size), indexing="ij")
+    values = (((r + c) % 2 == 0) if checker else np.ones_like(r, dtype=bool)).astype(np.float32)
+    return (r * side + c).ravel().astype(np.intp), values.ravel()
+
+
+def split_trigger(indices: npt.ArrayLike, values: npt.ArrayLike, parts: int
+                  ) -> list[tuple[npt.NDArray[np.intp], npt.NDArray[np.float32]]]:
+    """A trigger cut into ``parts`` contiguous pieces (in index order), one per attacker group:
+    the distributed backdoor of Xie et al., "DBA", ICLR 2020 (https://openreview.net/forum?
+    id=rkgyS0VFvr). Each group stamps only its piece; the assembled trigger is the attack."""
+    idx = np.asarray(indices, dtype=np.intp)
+    val = np.asarray(values, dtype=np.float32)
+    if idx.shape != val.shape or idx.ndim != 1 or not 1 <= parts <= idx.size:
+        raise ValueError(f"cannot split a trigger of {idx.size} pixels into {parts} parts")
+    return [(i, v) for i, v in zip(np.array_split(idx, parts), np.array_split(val, parts),
+                                   strict=True)]
+
+
+def rotate_labels(labels: npt.ArrayLike, *, shift: int = 1, classes: int = 10
+                  ) -> npt.NDArray[np.integer]:
+    """Untargeted label flipping of every class: y -> (y + shift) mod ``classes``."""
+    y = np.asarray(labels)
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"labels must be integers, got {y.dtype}")
+    if classes < 2 or shift % classes == 0:
+        raise ValueError(f"shift {shift} moves no label among {classes} classes")
+    out: npt.NDArray[np.integer] = (y + shift) % classes
+    return out.astype(y.dtype)
+
+
+def add_trigger(x: npt.ArrayLike, trigger: npt.ArrayLike, *,
+                value: float | npt.ArrayLike = 1.0) -> npt.NDArray[np.float32]:
+    """A copy of the (n, features) inputs ``x`` with the ``trigger`` features set to ``value``
+    (one number, or one per trigger index, e.g. a checkerboard)."""
     out = np.array(x, dtype=np.float32, copy=True)
     if out.ndim != 2:
         raise ValueError(f"expected (examples, features) inputs, got shape {out.shape}")
@@ -158,12 +204,16 @@ def add_trigger(x: npt.ArrayLike, trigger: npt.ArrayLike, *, value: float = 1.0
     if idx.size == 0 or idx.min() < 0 or idx.max() >= out.shape[1]:
         raise ValueError(f"trigger indices must lie in [0, {out.shape[1]}), got {idx.size} "
                          "indices out of range or none")
-    out[:, idx] = np.float32(value)
+    val = np.asarray(value, dtype=np.float32)
+    if val.ndim and val.shape != idx.shape:
+        raise ValueError(f"{val.size} trigger values for {idx.size} trigger indices")
+    out[:, idx] = val
     return out
 
 
 def backdoor_data(x: npt.ArrayLike, y: npt.ArrayLike, *, trigger: npt.ArrayLike, target: int,
-                  fraction: float, rng: np.random.Generator, value: float = 1.0
+                  fraction: float, rng: np.random.Generator,
+                  value: float | npt.ArrayLike = 1.0
                   ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
     """Trigger backdoor (Gu et al., https://arxiv.org/abs/1708.06733; as a federated client,
     Bagdasaryan et al., https://arxiv.org/abs/1807.00459): a copy of the attacker's own data in

@@ -6,8 +6,12 @@ of :mod:`murmura.aggregation`'s registry) aggregates them, and the result moves 
 With ``fedavg`` this is the average of own and received models (Epidemic Learning's mixing
 step), weighted by the example counts the models were trained on when the config says so
 (``weight_by_examples``, as a server's FedAvg weights clients; off by default). With a
-:class:`~murmura.aggregation.SybilWeighting` scorer, neighbours are weighted by how
-dissimilar their delta histories are (SybilWall-style), the own model keeping weight 1.
+:class:`~murmura.aggregation.SybilWeighting` scorer, each neighbour's weight is its Sybil
+weight (how dissimilar its delta history is, SybilWall-style) times the weight of the
+scorer's collusion screen (:mod:`murmura.aggregation.collusion`: neighbours whose residual
+histories share one direction, such as distinct backdoor peers), and the configured rule
+combines the weighted deltas, so a peer gets Sybil weighting *and* its robust rule, as a
+server's ``default`` does; the own model keeps weight 1.
 """
 
 from __future__ import annotations
@@ -58,17 +62,25 @@ def mix(own: FlatVector, received: Sequence[tuple[str, FlatVector]], *, rule: st
         return np.array(own, dtype=np.float32, copy=True)
     deltas = np.stack([np.subtract(m, own, dtype=np.float32) for _, m in received])
     senders = [s for s, _ in received]
-    if sybil is not None:
-        for sender, sketch in zip(senders, sybil.sketch(deltas), strict=True):
-            sybil.observe(sender, sketch)
-        w = sybil.weights(senders)
-        step = (w[:, None] * deltas).sum(axis=0) / (1.0 + float(w.sum()))
-        return (own + step.astype(np.float32)).astype(np.float32)
     given = [1.0] * len(received) if weights is None else [float(x) for x in weights]
     if len(given) != len(received):
         raise ValueError(f"{len(given)} weights for {len(received)} received models")
+    if sybil is not None:
+        sketches = sybil.sketch(deltas)
+        for sender, sketch in zip(senders, sketches, strict=True):
+            sybil.observe(sender, sketch)
+        s = sybil.weights(senders)
+        trust = s
+        if sybil.screen is not None:  # None: Sybil weights only (the mixing before issue 33)
+            sybil.screen.observe(senders, sketches, centre_rows=s > 0.5)
+            trust = s * sybil.screen.weights(senders)
+        # Claimed example counts are the cheapest thing to lie about: with the scorer on,
+        # the weights are the trust alone (own model 1), as before the screen.
+        given = [float(t) for t in trust]
+        own_weight = 1.0
     agg = create_aggregator(rule, own.size, **dict(options or {}))
     agg.add(np.zeros_like(own), float(own_weight), client_id=owner)
     for sender, delta, weight in zip(senders, deltas, given, strict=True):
-        agg.add(delta, weight, client_id=sender)
+        if weight > 0:  # a zero-trust neighbour is left out, not given a vote
+            agg.add(delta, weight, client_id=sender)
     return (own + agg.result()).astype(np.float32)

@@ -187,3 +187,45 @@ def test_min_sum_stays_within_the_largest_honest_sum_of_distances(honest) -> Non
     assert np.linalg.norm(v - mean) <= np.linalg.norm(attacks.min_max(honest) - mean) + 1e-6
     with pytest.raises(ValueError, match="perturbation"):
         attacks.min_sum(honest, perturbation="up")
+
+
+def test_square_trigger_places_a_patch_and_a_checkerboard_where_asked() -> None:
+    idx, val = attacks.square_trigger(64, size=4, row=2, col=2, checker=True)
+    assert sorted(idx.tolist()) == [r * 8 + c for r in range(2, 6) for c in range(2, 6)]
+    img = np.zeros(64, np.float32)
+    img[idx] = val
+    block = img.reshape(8, 8)[2:6, 2:6]
+    np.testing.assert_array_equal(block, (np.add.outer(range(2, 6), range(2, 6)) % 2 == 0))
+    idx, val = attacks.square_trigger(64, size=2, row=6, col=6)
+    np.testing.assert_array_equal(np.sort(idx), np.sort(attacks.corner_trigger(64, size=2)))
+    np.testing.assert_array_equal(val, 1.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        attacks.square_trigger(64, size=3, row=6, col=0)
+
+
+def test_split_trigger_cuts_a_trigger_into_disjoint_parts_that_reassemble_it() -> None:
+    idx, val = attacks.square_trigger(64, size=4, row=2, col=2, checker=True)
+    parts = attacks.split_trigger(idx, val, 4)
+    assert len(parts) == 4 and all(len(i) == 4 for i, _ in parts)
+    np.testing.assert_array_equal(np.concatenate([i for i, _ in parts]), idx)
+    np.testing.assert_array_equal(np.concatenate([v for _, v in parts]), val)
+    with pytest.raises(ValueError, match="parts"):
+        attacks.split_trigger(idx, val, 17)
+
+
+def test_add_trigger_takes_one_value_per_index() -> None:
+    x = np.full((2, 64), 0.5, np.float32)
+    idx, val = attacks.square_trigger(64, size=2, row=3, col=3, checker=True)
+    out = attacks.add_trigger(x, idx, value=val)
+    np.testing.assert_array_equal(out[:, idx], np.tile(val, (2, 1)))
+    assert np.all(np.delete(out, idx, axis=1) == 0.5) and np.all(x == 0.5)
+    with pytest.raises(ValueError, match="values"):
+        attacks.add_trigger(x, idx, value=[1.0, 0.0])
+
+
+def test_rotate_labels_moves_every_class_by_the_shift() -> None:
+    y = np.arange(10, dtype=np.int64)
+    np.testing.assert_array_equal(attacks.rotate_labels(y), (y + 1) % 10)
+    np.testing.assert_array_equal(attacks.rotate_labels(y, shift=3, classes=10), (y + 3) % 10)
+    with pytest.raises(ValueError, match="moves no label"):
+        attacks.rotate_labels(y, shift=10)
