@@ -21,7 +21,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import grpc
 import numpy as np
@@ -259,7 +259,8 @@ class SecAggLink:
         self._call(self._unmask, req, timeout=self.timeout_s)
 
     def poll(self, session: str, round_id: int, after: int, wait_s: float) -> pb.SecAggState:
-        req = pb.SecAggPollRequest(session=session, round=round_id, after=after, wait_s=wait_s)
+        req = pb.SecAggPollRequest(session=session, round=round_id,
+                                   after=cast("pb.SecAggState.Stage", after), wait_s=wait_s)
         return self._call(self._poll, req, timeout=wait_s + self.timeout_s)
 
 

@@ -33,6 +33,7 @@ from murmura.server.errors import FailedPrecondition, InvalidArgument
 if TYPE_CHECKING:
     from murmura.server.config import ServerConfig
     from murmura.server.core import ClientRecord
+    from murmura.server.publisher import Publisher
 
 log = logging.getLogger(__name__)
 Release = Callable[[], None] | None
@@ -51,10 +52,13 @@ class PolicyHost(Protocol):
     version's aggregate (``fold_limit``, with the mass taken so far, ``fold_mass``, which
     FedCompass sets when it re-plans a version). Act: fold an update on the publisher
     (``fold``), make a version (``publish``), drop a silent client (``drop_client``), log an
-    event, derive a seed.
+    event, derive a seed. Secure aggregation's policies also run their model-sized steps on the
+    ``publisher`` and hand results back to the owner's thread with ``post``.
     """
 
     config: ServerConfig
+    publisher: Publisher
+    post: Callable[[Callable[[], object]], object]
     spec: ModelSpec
     update_size: int
     clock: Callable[[], float]

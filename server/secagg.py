@@ -23,6 +23,7 @@ on the publisher thread, the only thread that touches :attr:`SecAggRound._total`
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -470,12 +471,12 @@ class SecAggRound:
         graph = self.mask_graph
         self_seeds = {
             u: reconstruct(u, "self", self.answers.get((u, "self"), {}), holders=graph[u],
-                           t=self.t, matches=lambda s, u=u: self._matches(u, "self", s))
+                           t=self.t, matches=functools.partial(self._matches, u, "self"))
             for u in self.included}
         pair_seeds: dict[tuple[int, int], bytes] = {}
         for d in self.dropped:
             secret = reconstruct(d, "key", self.answers.get((d, "key"), {}), holders=graph[d],
-                                 t=self.t, matches=lambda s, d=d: self._matches(d, "key", s))
+                                 t=self.t, matches=functools.partial(self._matches, d, "key"))
             key = X25519PrivateKey.from_private_bytes(secret)
             for s in graph[d]:
                 if s in self.included:

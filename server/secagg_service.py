@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import cast
 
 import grpc
 
@@ -219,7 +220,8 @@ def _check_and_fold(sa: SecAggRound, header: object, payload: bytearray,
 
 def _state_to_proto(view: ClientView) -> pb.SecAggState:
     return pb.SecAggState(
-        round=view.round_id, stage=int(view.stage), index=view.index, threshold=view.threshold,
+        round=view.round_id, stage=cast("pb.SecAggState.Stage", int(view.stage)),
+        index=view.index, threshold=view.threshold,
         n_max=view.n_max, reason=view.reason[:500], factor=view.factor,
         min_inputs=view.min_inputs,
         neighbours=[pb.SecAggPeer(index=p.index, client_id=p.client_id,
