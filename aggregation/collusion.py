@@ -47,6 +47,7 @@ import numpy as np
 import numpy.typing as npt
 
 from murmura.aggregation.base import AggregationError
+from murmura.aggregation.client_rows import ClientRows
 from murmura.aggregation.directions import spectral_z
 
 __all__ = ["CollusionScreen", "ramp_weights"]
@@ -105,32 +106,25 @@ class CollusionScreen:
         self.pair_low, self.pair_high = pair_low, pair_high
         self.dim, self.max_clients, self.window = int(dim), int(max_clients), int(window)
         self.low, self.high, self.min_clients = float(low), float(high), int(min_clients)
-        self._slots: OrderedDict[str, int] = OrderedDict()  # least recently observed first
-        self._hist = np.zeros((0, self.dim), dtype=np.float32)
-        self._short = np.zeros((0, self.dim), dtype=np.float32)
-        self._free: list[int] = []
+        self._rows = ClientRows(self.max_clients, {"hist": ((self.dim,), np.float32, 0.0),
+                                                   "short": ((self.dim,), np.float32, 0.0)})
         self.last_z: dict[str, float] = {}
 
+    # the rows, as the screen reads them (the arrays are replaced when they grow)
+    @property
+    def _slots(self) -> OrderedDict[str, int]:
+        return self._rows.slots
+
+    @property
+    def _hist(self) -> np.ndarray:
+        return self._rows.arrays["hist"]
+
+    @property
+    def _short(self) -> np.ndarray:
+        return self._rows.arrays["short"]
+
     def _slot(self, client_id: str) -> int:
-        slot = self._slots.get(client_id)
-        if slot is not None:
-            self._slots.move_to_end(client_id)
-            return slot
-        if len(self._slots) >= self.max_clients:
-            _, slot = self._slots.popitem(last=False)
-        elif self._free:
-            slot = self._free.pop()
-        else:
-            slot = len(self._slots)
-            if slot >= self._hist.shape[0]:
-                grown = min(self.max_clients, max(64, 2 * self._hist.shape[0]))
-                extra = np.zeros((grown - self._hist.shape[0], self.dim), np.float32)
-                self._hist = np.concatenate([self._hist, extra])
-                self._short = np.concatenate([self._short, extra])
-        self._hist[slot] = 0.0
-        self._short[slot] = 0.0
-        self._slots[client_id] = slot
-        return slot
+        return self._rows.row(client_id)
 
     def observe(self, client_ids: Sequence[str], sketches: npt.ArrayLike,
                 factors: npt.ArrayLike | None = None,
@@ -220,11 +214,7 @@ class CollusionScreen:
 
     def forget(self, client_id: str) -> None:
         """Drop a client's residual history."""
-        slot = self._slots.pop(client_id, None)
-        if slot is not None:
-            self._hist[slot] = 0.0
-            self._short[slot] = 0.0
-            self._free.append(slot)
+        self._rows.forget(client_id)
 
     def __contains__(self, client_id: object) -> bool:
         return client_id in self._slots
@@ -250,6 +240,4 @@ class CollusionScreen:
                                    f"{hist.shape}")
         keep = slice(-self.max_clients, None)
         ids, hist, short = ids[keep], hist[keep], short[keep]
-        self._slots = OrderedDict((c, i) for i, c in enumerate(ids))
-        self._free = []
-        self._hist, self._short = hist.copy(), short.copy()
+        self._rows.load(ids, {"hist": hist, "short": short})

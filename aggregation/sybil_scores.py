@@ -42,7 +42,11 @@ import numpy as np
 import numpy.typing as npt
 
 from murmura.aggregation.base import AggregationError, FlatVector
+from murmura.aggregation.client_rows import ClientRows
 from murmura.aggregation.collusion import CollusionScreen
+
+#: The tick of a last update never seen (far older than any ``recent`` window).
+_NEVER = -(2**40)
 
 __all__ = ["SybilWeighting", "similarity_weights", "sketch_rows"]
 
@@ -118,13 +122,12 @@ class SybilWeighting:
             raise AggregationError(f"recent must be an integer >= 0, got {recent}")
         self.size, self.dim, self.max_clients, self.seed = size, int(dim), int(max_clients), seed
         self.low, self.high, self.recent = float(low), float(high), int(recent)
-        self._slots: OrderedDict[str, int] = OrderedDict()  # least recently observed first
-        self._free: list[int] = []
-        self._hist = np.zeros((0, self.dim), dtype=np.float32)
-        # The last update of each client (unit sketch) and the clock tick it arrived at: clones
-        # that send one vector are caught from that vector, whatever their history says.
-        self._last = np.zeros((0, self.dim), dtype=np.float32)
-        self._seen = np.zeros(0, dtype=np.int64)
+        # Per client: its history, its last update (unit sketch) and the clock tick that
+        # arrived at: clones that send one vector are caught from that vector, whatever their
+        # history says.
+        self._rows = ClientRows(self.max_clients, {
+            "hist": ((self.dim,), np.float32, 0.0), "last": ((self.dim,), np.float32, 0.0),
+            "seen": ((), np.int64, _NEVER)})
         self.clock = 0
         # Residual histories for the collusion screen of a standalone scorer (a gossip peer's
         # mixing, :func:`murmura.gossip.mixing.mix`): kept here so they live as long as the
@@ -164,37 +167,29 @@ class SybilWeighting:
             if factor > 0:
                 self._hist[slot] += (factor / length * sketch).astype(np.float32)
 
+    # the rows, as the scorer reads them (the arrays are replaced when they grow)
+    @property
+    def _slots(self) -> OrderedDict[str, int]:
+        return self._rows.slots
+
+    @property
+    def _hist(self) -> np.ndarray:
+        return self._rows.arrays["hist"]
+
+    @property
+    def _last(self) -> np.ndarray:
+        return self._rows.arrays["last"]
+
+    @property
+    def _seen(self) -> np.ndarray:
+        return self._rows.arrays["seen"]
+
     def _slot(self, client_id: str) -> int:
-        slot = self._slots.get(client_id)
-        if slot is not None:
-            self._slots.move_to_end(client_id)
-            return slot
-        if len(self._slots) >= self.max_clients:
-            _, slot = self._slots.popitem(last=False)
-        elif self._free:
-            slot = self._free.pop()
-        else:
-            slot = len(self._slots)
-            if slot >= self._hist.shape[0]:
-                grown = min(self.max_clients, max(64, 2 * self._hist.shape[0]))
-                extra = grown - self._hist.shape[0]
-                self._hist = np.concatenate([self._hist, np.zeros((extra, self.dim), np.float32)])
-                self._last = np.concatenate([self._last, np.zeros((extra, self.dim), np.float32)])
-                self._seen = np.concatenate([self._seen, np.full(extra, -(2**40), np.int64)])
-        self._hist[slot] = 0.0
-        self._last[slot] = 0.0
-        self._seen[slot] = -(2**40)
-        self._slots[client_id] = slot
-        return slot
+        return self._rows.row(client_id)
 
     def forget(self, client_id: str) -> None:
         """Drop a client's history (e.g. it left for good)."""
-        slot = self._slots.pop(client_id, None)
-        if slot is not None:
-            self._hist[slot] = 0.0
-            self._last[slot] = 0.0
-            self._seen[slot] = -(2**40)
-            self._free.append(slot)
+        self._rows.forget(client_id)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The tracked clients (least recently observed first), their histories, their last
@@ -217,15 +212,13 @@ class SybilWeighting:
                                    f"({len(ids)}, {self.dim})")
         # A state saved before last updates were tracked has none: they start unseen.
         last = np.asarray(state.get("last", np.zeros((len(ids), self.dim))), dtype=np.float32)
-        seen = np.asarray(state.get("seen", np.full(len(ids), -(2**40))), dtype=np.int64)
+        seen = np.asarray(state.get("seen", np.full(len(ids), _NEVER)), dtype=np.int64)
         if last.shape != hist.shape or seen.shape != (len(ids),):
             raise AggregationError(f"Sybil last updates have shape {last.shape} and {seen.shape}, "
                                    f"expected {hist.shape} and ({len(ids)},)")
         keep = slice(-self.max_clients, None)
         ids, hist, last, seen = ids[keep], hist[keep], last[keep], seen[keep]
-        self._slots = OrderedDict((cid, i) for i, cid in enumerate(ids))
-        self._free = []
-        self._hist, self._last, self._seen = hist.copy(), last.copy(), seen.copy()
+        self._rows.load(ids, {"hist": hist, "last": last, "seen": seen})
         self.clock = int(np.asarray(state.get("clock", [0])).ravel()[0])
 
     def __contains__(self, client_id: object) -> bool:
