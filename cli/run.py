@@ -119,7 +119,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                           extra_config={"run": dataclasses.asdict(run)})
     progress = Progress(server.max_versions, quiet=quiet)
     interrupted = threading.Event()
-    with ServerThread(core) as srv, _on_sigint(interrupted, quiet), live:
+    with ServerThread(core) as srv, on_sigint(interrupted, quiet), live:
         if not quiet:
             print(f"aggregator listening on {srv.address}", file=sys.stderr)
         live.serving(srv.address, core.telemetry)  # metrics endpoint, OUT/murmura.pid
@@ -200,9 +200,12 @@ def _watch(srv: Any, core: Any, progress: Progress, clients: list[Any], timeout:
 
 
 @contextlib.contextmanager
-def _on_sigint(event: threading.Event, quiet: bool = False) -> Iterator[None]:
+def on_sigint(event: threading.Event, quiet: bool = False, *,
+              what: str = "stopping the clients") -> Iterator[None]:
     """While inside: the first Ctrl-C sets ``event`` (the run stops and writes its summary and
-    plot); a second one interrupts at once."""
+    plot); a second one interrupts at once. ``murmura run`` and ``murmura simulate`` stop this
+    way, between steps, rather than by an exception raised wherever the signal lands (in the
+    middle of a torch transform, that can leave torch's own state inconsistent)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -211,8 +214,8 @@ def _on_sigint(event: threading.Event, quiet: bool = False) -> Iterator[None]:
         event.set()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if not quiet:
-            print("\ninterrupted: stopping the clients and writing the summary (Ctrl-C again "
-                  "to quit at once)", file=sys.stderr, flush=True)
+            print(f"\ninterrupted: {what} and writing the summary (Ctrl-C again to quit at "
+                  f"once)", file=sys.stderr, flush=True)
 
     previous = signal.signal(signal.SIGINT, handler)
     try:

@@ -117,13 +117,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         engine.progress = progress.update
     else:
         engine = Simulation(task, server, sim, progress=progress.update)
+    from murmura.run import on_sigint
+
     interrupted = False
-    try:
-        engine.advance()
-    except KeyboardInterrupt:  # Ctrl-C: summarise and plot what ran
+    try:  # Ctrl-C: the run stops between two events, then summarises and plots what ran
+        with on_sigint(engine.stop, quiet, what="stopping the simulation"):
+            engine.advance()
+    except KeyboardInterrupt:  # a second Ctrl-C
         interrupted = True
     finally:
         progress.close()
+    interrupted = interrupted or engine.stop.is_set()
     result = engine.finish()
     if interrupted:
         print(f"interrupted at version {result.version} ({result.virtual_s:.1f} virtual s)",

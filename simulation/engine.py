@@ -42,6 +42,7 @@ import dataclasses
 import logging
 import math
 import random
+import threading
 import time
 from array import array
 from collections import Counter
@@ -212,6 +213,9 @@ class Simulation(UpdatesJob, ResultsJob):
         self.rows: list[dict[str, Any]] = []
         # counters
         self.events = 0
+        #: Set (e.g. by a Ctrl-C handler) to end :meth:`advance` at the next event boundary:
+        #: nothing is interrupted mid-step, so the run's outputs can be written as they are.
+        self.stop = threading.Event()
         self.batches = 0
         self.batched_jobs = 0
         self.train_wall_s = 0.0
@@ -274,7 +278,8 @@ class Simulation(UpdatesJob, ResultsJob):
                         self._on_pull, self._on_done, self._on_push)
             queue, clock, core, generation = self.queue, self.clock, self.core, self.gen
             events = 0
-            while queue and not core.done:
+            stop = self.stop
+            while queue and not core.done and not stop.is_set():
                 if queue.peek_time() > limit:
                     if math.isfinite(limit):
                         clock.advance_to(max(limit, clock.now))
@@ -294,7 +299,7 @@ class Simulation(UpdatesJob, ResultsJob):
                     continue  # the client went offline since this event was scheduled
                 self._after_event()
             self.events += events
-            if not self.core.done and not self.queue:
+            if not self.core.done and not self.queue and not stop.is_set():
                 log.warning("simulation stalled at t=%.1fs: no client can make progress",
                             self.clock.now)
             return False
