@@ -59,6 +59,9 @@ EMPTY: ExactState = (0, 0, 0, Fraction(0))
 #: Below this many values a fold is cheaper on the publisher than a job's round trip
 #: (~0.1-0.3 ms to pickle, send and answer against ~0.1 ms per million values folded).
 MIN_VALUES = 1 << 16
+#: Versions whose slots may be in use at once (being folded, or waiting for the publisher);
+#: beyond that, updates are folded on the publisher until a version's slots come back.
+MAX_EPOCHS = 8
 #: The longest a publish waits for its version's folds and merges (workers that hang are
 #: replaced by the backend long before; this only keeps the publisher from waiting forever).
 FINISH_TIMEOUT_S = 300.0
@@ -282,8 +285,8 @@ class FoldSlots:
         self.width = width
         self.slot_bytes = slot_bytes(size, exact)
         # Slots are kept for reuse (a fresh segment costs page faults in every worker that
-        # maps it); at most a few epochs are alive at once, so no cap is needed beyond that.
-        self._pool = SlabPool(max(self.slot_bytes * width * 8, 1 << 20),
+        # maps it), at most MAX_EPOCHS versions' worth.
+        self._pool = SlabPool(max(self.slot_bytes * width * MAX_EPOCHS, 1 << 20),
                               prefix="murmura_fold", idle_per_class=0)
         self._free: list[_Slot] = []
         self._epoch: _Epoch | None = None
@@ -332,9 +335,12 @@ class FoldSlots:
         elif epoch.aggregator is not aggregator:
             return False
         index = epoch.taken % self.width
-        epoch.taken += 1
         while len(epoch.slots) <= index:
-            epoch.slots.append(self._slot())
+            fresh = self._slot()
+            if fresh is None:  # many versions behind: fold this one on the publisher
+                return False
+            epoch.slots.append(fresh)
+        epoch.taken += 1
         slot = epoch.slots[index]
         epoch.records.append(FoldRecord(decoded.codec, decoded.spooled, decoded.base_version,
                                         float(weight), float(factor), client_id))
@@ -352,12 +358,12 @@ class FoldSlots:
             decoded.values = self.decoder.codec(decoded.encoded).decode(
                 attach(decoded.shared), self.size)
 
-    def _slot(self) -> _Slot:
+    def _slot(self) -> _Slot | None:
+        """A free slot, or None when the slots of MAX_EPOCHS versions are all in use."""
         if self._free:
             return self._free.pop()
         slab = self._pool.acquire(self.slot_bytes)
-        assert slab is not None  # the pool's cap is far above what a few epochs use
-        return _Slot(slab)
+        return _Slot(slab) if slab is not None else None
 
     async def _fold(self, epoch: _Epoch, slot: _Slot, before: asyncio.Task[None] | None,
                     decoded: Decoded, weight: float, factor: float, client_id: str,

@@ -223,3 +223,19 @@ def test_without_durable_state_a_damaged_partial_drops_its_version(serve,
     assert version == 0 and not np.any(params)  # dropped: the model is untouched
     assert np.isfinite(params).all()
     t.close()
+
+
+def test_without_free_slots_updates_fold_on_the_publisher(serve) -> None:
+    """When no slot can be had (the slots of MAX_EPOCHS versions in use), an update is folded
+    on the publisher instead of being refused or lost."""
+    def starve(srv) -> None:
+        def no_slots() -> None:
+            folds = srv.core.folds
+            while folds._pool.acquire(folds.slot_bytes) is not None:
+                pass  # every slot the cap allows is taken
+        srv.call(no_slots)
+
+    flat, _ = run(serve, workers=0, accumulator="exact")
+    model, figures = run(serve, workers=2, accumulator="exact", before_push=starve)
+    assert figures["folded"] == 0
+    assert np.array_equal(model, flat)
