@@ -301,8 +301,6 @@ class FoldSlots:
         self.rebuilt = 0
         self.folded = 0
         self.fallbacks = 0
-        self.merges = 0
-        self.versions = 0
 
     @staticmethod
     def suits(aggregator: Aggregator, update_size: int, *, forced: bool = False) -> bool:
@@ -453,7 +451,6 @@ class FoldSlots:
                 for slot in epoch.slots:
                     if slot.count:
                         aggregator.merge(self._partial(slot))  # type: ignore[attr-defined]
-            self.versions += 1
         finally:
             for *_, release in epoch.fallback:  # a dropped version: give the buffers back
                 if release is not None:
@@ -492,7 +489,6 @@ class FoldSlots:
         into.weight += other.weight
         into.state = state
         other.count, other.weight, other.state = 0, 0.0, None
-        self.merges += 1
 
     def _recycle(self, epoch: _Epoch) -> None:
         for slot in epoch.slots:
