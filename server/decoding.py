@@ -62,18 +62,22 @@ class Decoded:
     #: Where ``values`` lie in shared memory (a worker decoded them into a slab), so that a
     #: worker can fold them without a copy (server/folds.py); None for in-process buffers.
     shared: SlabRef | None = None
-    #: Set when the payload was checked, not decoded (``values`` is None): the codec that
-    #: folds it straight from ``shared``, the payload's own bytes (server/folds.py).
-    encoded: str | None = None
     #: Where the payload lies in the durable spool, once taken (server/folds.py rebuilds a
     #: version from there if the workers' partial aggregate of it is damaged).
     spooled: SpoolRef | None = None
-    #: The update's codec, set with ``spooled`` when it is taken in.
+    #: The update's codec: set where a payload is only checked (see :attr:`from_payload`),
+    #: and for every update when it is taken in.
     codec: str | None = None
 
     @property
     def is_partial(self) -> bool:
         return self.weight is not None
+
+    @property
+    def from_payload(self) -> bool:
+        """Checked, not decoded (no ``values``): a worker folds it straight from its payload,
+        the bytes at ``shared``, with ``codec`` (server/folds.py)."""
+        return self.values is None and self.limbs is None and self.weight is None
 
     def as_partial(self) -> Partial:
         """A partial aggregate for the rule's ``merge`` (only when :attr:`is_partial`)."""
@@ -152,7 +156,7 @@ class Decoder:
             top = c.check(payload, self.size)
         except CodecError as exc:
             raise InvalidArgument(f"payload does not decode: {exc}") from None
-        decoded = Decoded(None, max_abs=top, encoded=codec)
+        decoded = Decoded(None, max_abs=top, codec=codec)
         if self.hash_payloads:
             decoded.payload_sha256 = payload_digest(payload)
         return decoded

@@ -316,8 +316,7 @@ class FoldSlots:
         this epoch folds into, called on the event loop); False leaves it to the caller."""
         if decoded.shared is None or decoded.is_partial:
             return False
-        if decoded.encoded is None and (decoded.values is None
-                                        or decoded.values.size != self.size):
+        if decoded.values is not None and decoded.values.size != self.size:
             return False
         if type(aggregator) is not WeightedMean or aggregator.exact != self.exact:
             return False
@@ -351,9 +350,9 @@ class FoldSlots:
     def dense(self, decoded: Decoded) -> None:
         """Decode an update that was only checked (its payload was to be folded in a worker),
         for a fold on the publisher instead."""
-        if decoded.values is None and decoded.encoded is not None:
-            assert decoded.shared is not None
-            decoded.values = self.decoder.codec(decoded.encoded).decode(
+        if decoded.from_payload:
+            assert decoded.shared is not None and decoded.codec is not None
+            decoded.values = self.decoder.codec(decoded.codec).decode(
                 attach(decoded.shared), self.size)
 
     def _slot(self) -> _Slot | None:
@@ -375,8 +374,9 @@ class FoldSlots:
                 state, flip = await self.backend.run_now(
                     fold_job, slot.ref, slot.cur, slot.count == 0, decoded.shared, self.size,
                     float(weight), float(factor), (slot.state or EMPTY) if self.exact else None,
-                    self.die_if if slot.count else None, codec=decoded.encoded,
-                    decoder=self.decoder if decoded.encoded else None, seq=slot.jobs,
+                    self.die_if if slot.count else None,
+                    codec=decoded.codec if decoded.from_payload else None,
+                    decoder=self.decoder if decoded.from_payload else None, seq=slot.jobs,
                     poison_if=self.poison_if)
             except Exception as exc:  # noqa: BLE001 - the publisher folds it instead
                 log.warning("folding an update in a worker failed (%s); the publisher folds "

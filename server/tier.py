@@ -320,7 +320,7 @@ class Tier:
             raise
         self._count(t0)
         decoded = Decoded(None, max_abs=meta.max_abs, payload_sha256=meta.payload_sha256,
-                          shared=ref, encoded=header.codec)
+                          shared=ref, codec=header.codec)
 
         def release() -> None:
             slabs.release(lease)
