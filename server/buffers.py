@@ -14,7 +14,7 @@ holds it and the pool allocates a new one next time. No consumer has to know abo
 
 Buffers of :data:`ALIGNED_FROM` bytes or more are page-aligned anonymous mappings, so the
 durable spool can write a payload from its receive buffer to the disk directly (``O_DIRECT``
-needs an aligned source; see server/store.py) instead of through a copy.
+needs an aligned source; see server/spool.py) instead of through a copy.
 """
 
 from __future__ import annotations

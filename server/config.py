@@ -13,16 +13,16 @@ seed, what clients train) and one frozen sub-config per concern, each checking i
 needs a loopback address or ``insecure``, ...).
 
 People name the settings flat: ``--buffer-size 5`` on the command line, ``buffer_size = 5`` in
-a config file's ``[server]`` table. That flat namespace is defined here, once:
-:meth:`ServerConfig.from_flat` builds a config from flat keys (the command line, config files,
-tests and benchmarks all build configs this way), :meth:`ServerConfig.flat` gives them back,
-and code reads the nested fields (``config.policy.buffer_size``).
+a config file's ``[server]`` table. That flat namespace is the fields declared here, flattened
+by server/flat_keys.py: :meth:`ServerConfig.from_flat` builds a config from flat keys (the
+command line, config files, tests and benchmarks all build configs this way),
+:meth:`ServerConfig.flat` gives them back, and code reads the nested fields
+(``config.policy.buffer_size``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
 import math
 import os
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from murmura.protocols.messages import TaskSettings
 from murmura.server.compass import COMPASS_STEPS, StepBounds
+from murmura.server.flat_keys import FlatKeys, parse_option
 
 if TYPE_CHECKING:  # the rules and codecs load torch: imported where a config is checked, so
     from murmura.aggregation import Aggregator  # the command-line parser can read this module
@@ -164,7 +165,7 @@ class PolicyConfig:
 
     def defense_kwargs(self) -> dict[str, Any]:
         """``defense_options`` with numbers parsed (``none`` means None)."""
-        return {k.replace("-", "_"): _parse_option(v) for k, v in self.defense_options.items()}
+        return {k.replace("-", "_"): parse_option(v) for k, v in self.defense_options.items()}
 
 
 @dataclass(frozen=True)
@@ -544,27 +545,18 @@ class ServerConfig:
         """Every flat key, in order, with the class that declares its field (ServerConfig or
         a sub-config): the flags and ``[server]`` keys. ``train`` is one key, a nested
         :class:`TaskSettings` (its own ``[server.train]`` table)."""
-        return {key: (owner, f) for key, (_, owner, f) in _FLAT.items()}
+        return _FLAT.fields()
 
     @classmethod
     def from_flat(cls, **values: Any) -> ServerConfig:
         """A config from flat keys (``buffer_size=10, tls_cert=...``); keys left out keep
         their defaults. An unknown key is a TypeError, as for any constructor."""
-        parts: dict[str, dict[str, Any]] = {"": {}, **{group: {} for group in _GROUPS}}
-        for key, value in values.items():
-            if key not in _FLAT:
-                close = difflib.get_close_matches(key, _FLAT, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise TypeError(f"ServerConfig has no setting {key!r}{hint}")
-            parts[_FLAT[key][0]][key] = value
-        own = parts.pop("")
-        return cls(**own, **{group: _GROUPS[group](**kw) for group, kw in parts.items()})
+        return cls(**_FLAT.arguments(values))
 
     def flat(self) -> dict[str, Any]:
         """Every flat key with its value: ``ServerConfig.from_flat(**config.flat()) ==
         config``."""
-        return {key: getattr(getattr(self, group) if group else self, key)
-                for key, (group, _, _) in _FLAT.items()}
+        return _FLAT.values(self)
 
     def replace(self, **changes: Any) -> ServerConfig:
         """This config with some flat keys changed (``dataclasses.replace`` by flat key); the
@@ -591,32 +583,7 @@ def check_metrics_address(value: str, what: str = "metrics_address") -> None:
                          f'installed: pip install "murmura[ops]"')
 
 
-def _flat_namespace() -> dict[str, tuple[str, type, dataclasses.Field[Any]]]:
-    """flat key -> (sub-config field of ServerConfig, '' for its own; declaring class; field).
-    Two fields of one name would make a flag ambiguous: that fails at import."""
-    out: dict[str, tuple[str, type, dataclasses.Field[Any]]] = {}
-    for f in dataclasses.fields(ServerConfig):
-        sub = _GROUPS.get(f.name)
-        members = [(f.name, sub, g) for g in dataclasses.fields(sub)] if sub \
-            else [("", ServerConfig, f)]
-        for group, owner, g in members:
-            if g.name in out:
-                raise TypeError(f"flat key {g.name!r} of ServerConfig is declared twice "
-                                f"({out[g.name][1].__name__}, {owner.__name__})")
-            out[g.name] = (group, owner, g)
-    return out
-
-
-_FLAT = _flat_namespace()
-
-
-def _parse_option(value: str) -> Any:
-    text = str(value).strip()
-    if text.lower() == "none":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+#: The flat namespace (a TypeError at import if two fields share a name).
+_FLAT = FlatKeys(ServerConfig, _GROUPS)
+#: The old private name; cli/validate.py imports it from here.
+_parse_option = parse_option

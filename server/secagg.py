@@ -19,6 +19,9 @@ so a bad request leaves the round as it was.
 Model-sized work (adding a masked input into the sum, expanding masks to unmask) is not done
 here: :meth:`SecAggRound.fold_input` and :meth:`SecAggRound.unmask_job` are run by the caller
 on the publisher thread, the only thread that touches :attr:`SecAggRound._total`.
+
+The values it takes and returns (:class:`Stage`, :class:`ClientView`, ...) live in
+server/secagg_types.py and are re-exported here, where callers import them from.
 """
 
 from __future__ import annotations
@@ -26,21 +29,17 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from enum import IntEnum
 
 import numpy as np
-import numpy.typing as npt
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from murmura.protocols.identity import client_id_for, verify
+from murmura.protocols.identity import verify
 from murmura.protocols.secagg import (
     PRIME,
     SEED_BYTES,
     RoundAbandoned,
     Share,
     check_public_keys,
-    default_degree,
     neighbours,
     pair_seed,
     reconstruct,
@@ -60,85 +59,21 @@ from murmura.server.errors import (
     FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
-    ServiceError,
     Unauthenticated,
+)
+from murmura.server.secagg_types import (
+    AdvertisedKeys,
+    AlreadyExists,
+    ClientView,
+    NotFound,
+    PeerView,
+    Stage,
+    UnmaskResult,
+    check_identity_of,
+    round_degree,
 )
 
 log = logging.getLogger(__name__)
-
-
-class AlreadyExists(ServiceError):
-    """A step the client already took in this round."""
-
-    status = "ALREADY_EXISTS"
-
-
-class NotFound(ServiceError):
-    """A share or envelope naming a client that is not where the request puts it."""
-
-    status = "NOT_FOUND"
-
-
-class Stage(IntEnum):
-    KEYS = 0
-    SHARES = 1
-    INPUT = 2
-    UNMASK = 3
-    DONE = 4
-    ABANDONED = 5
-
-
-@dataclass(frozen=True)
-class AdvertisedKeys:
-    """What a client advertises in KEYS (``identity_key`` is its join key, or empty)."""
-
-    mask_public_key: bytes
-    enc_public_key: bytes
-    self_commitment: bytes
-    identity_key: bytes = b""
-    signature: bytes = b""
-
-
-@dataclass(frozen=True)
-class PeerView:
-    """A neighbour as a client sees it at SHARES."""
-
-    index: int
-    client_id: str
-    keys: AdvertisedKeys
-
-
-@dataclass(frozen=True)
-class ClientView:
-    """What :meth:`SecAggRound.view` tells one client: enough for its next step."""
-
-    round_id: int
-    stage: Stage
-    index: int = 0
-    threshold: int = 0
-    n_max: int = 0
-    neighbours: tuple[PeerView, ...] = ()
-    ciphertexts: tuple[tuple[int, bytes], ...] = ()
-    included: tuple[int, ...] = ()
-    dropped: tuple[int, ...] = ()
-    reason: str = ""
-    #: From INPUT on: the factor this client scales its weighted update by (an async group's
-    #: staleness discount; 1 in sync rounds).
-    factor: float = 1.0
-    #: From INPUT on: the fewest inputs the round is unmasked with (distributed DP sizes
-    #: each client's noise share by it).
-    min_inputs: int = 0
-
-
-@dataclass(frozen=True)
-class UnmaskResult:
-    """The round's aggregate: FedAvg's weighted mean, the total weight, how many clients,
-    and the weighted sum itself (distributed DP divides it by a planned denominator)."""
-
-    mean: npt.NDArray[np.float32]
-    weight: float
-    count: int
-    total: npt.NDArray[np.float32]
 
 
 class SecAggRound:
@@ -304,9 +239,7 @@ class SecAggRound:
         self.index = {cid: i + 1 for i, cid in enumerate(members)}
         self.ids = {i: cid for cid, i in self.index.items()}
         n = len(members)
-        k = default_degree(n, self.dropout_fraction)
-        if (n * k) % 2:  # default_degree keeps n * k even below n - 1; the cap may not be
-            k -= 1
+        k = round_degree(n, self.dropout_fraction)
         self.t = threshold(k)
         self.graph = neighbours(n, k, self.graph_seed)
         self.n_max = n
@@ -560,21 +493,6 @@ class SecAggRound:
                           dropped=drop, reason=self.reason,
                           factor=self.factors.get(cid, 1.0) if self.stage >= Stage.INPUT
                           else 1.0, min_inputs=self.min_inputs)
-
-
-def check_identity_of(client_id: str, identity_key: bytes) -> bool:
-    """Whether ``client_id`` is the id derived from ``identity_key`` (clients check this for
-    every neighbour, so a server cannot pass one client's keys off as another's)."""
-    try:
-        return client_id_for(identity_key) == client_id
-    except ValueError:
-        return False
-
-
-def round_degree(n: int, dropout_fraction: float) -> int:
-    """The neighbour degree a round of ``n`` clients uses (benchmarks report it)."""
-    k = default_degree(n, dropout_fraction)
-    return k - 1 if (n * k) % 2 else k
 
 
 __all__ = ["AdvertisedKeys", "AlreadyExists", "ClientView", "NotFound", "PeerView",

@@ -25,27 +25,18 @@ Durability never blocks the event loop: callers get a :class:`~concurrent.future
 resolves once the operation is on disk. The store thread takes every operation queued while it
 was busy and covers them with one spool ``fsync`` and one SQLite commit (group commit).
 
-The spool writer moves each payload once, from the buffer it was received into to the disk.
-A large payload (:data:`DIRECT_MIN_BYTES` or more) is written with ``O_DIRECT`` at a
-block-aligned offset, straight from the receive buffer or slab (page-aligned), so it is not
-copied into the page cache first: that copy was most of the spool's CPU (14.5 ms per 10 MB
-update on the project's VM, where a fresh page-cache page is a first touch of guest memory),
-and a spooled payload is only read again after a crash. Its last partial block goes through a
-small aligned scratch buffer, padded with zeros; a source that is not aligned goes through
-that buffer in slices. Small payloads, file systems without ``O_DIRECT`` (or that refuse a
-direct write) and other platforms use plain writes. Either way the group commit's ``fsync``
-makes the bytes and the file's size durable before the rows that point at them.
+The payload spool (segment files, direct writes, rotation, the writer thread) is
+:class:`~murmura.server.spool.Spool`, which this class owns: the store thread calls its ``sync``
+first in every group commit, so the bytes and the file's size are durable before the rows that
+point at them.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import itertools
 import json
 import logging
-import mmap
-import os
 import queue
 import sqlite3
 import threading
@@ -54,9 +45,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from murmura.server.futures import settle
+from murmura.server.spool import (
+    BOUNCE_BYTES,
+    DIRECT_ALIGN,
+    DIRECT_MIN_BYTES,
+    SEGMENT_BYTES,
+    Spool,
+    fsync_dir,
+)
 from murmura.server.state import (
     AggregatorState,
     Consume,
@@ -78,17 +75,6 @@ log = logging.getLogger(__name__)
 DB_NAME = "state.db"
 LOCK_NAME = "state.lock"
 SPOOL_DIR = "spool"
-#: A spool segment is closed and a new one started past this size; a segment is deleted once
-#: no pending update refers to it.
-SEGMENT_BYTES = 64 << 20
-#: Payloads at least this large are written to the spool with ``O_DIRECT`` (see the module
-#: docstring); smaller ones are cheaper through the page cache, which the group commit flushes.
-DIRECT_MIN_BYTES = 256 << 10
-#: Alignment of a direct write's buffer, file offset and length: the largest logical block
-#: size in use (512 B or 4 KiB).
-DIRECT_ALIGN = 4096
-#: The aligned scratch buffer for a payload's last partial block and unaligned sources.
-BOUNCE_BYTES = 4 << 20
 #: Payloads smaller than this are kept in the database (table ``inline``), committed with
 #: their pending row, instead of in a spool segment that needs an fsync of its own.
 INLINE_MAX_BYTES = 64 << 10
@@ -110,13 +96,11 @@ CREATE TABLE IF NOT EXISTS inline (id INTEGER PRIMARY KEY, data BLOB NOT NULL);
 """
 
 
-
 @dataclass
 class _Job:
-    op: Op | None                     # a state operation (None: a spool write or a stop)
+    op: Op                            # a state operation
     counters: dict[str, Any] | None   # the counters as of this job (the newest is written)
     future: Future[Any]
-    data: memoryview | None = None    # a payload to append to the spool
     publishes: bool = False           # a version commit: spool segments may be freed after
 
 
@@ -131,7 +115,9 @@ class SqliteState(AggregatorState):
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / DB_NAME
         self.spool_dir = self.dir / SPOOL_DIR
-        self.spool_dir.mkdir(exist_ok=True)
+        # Its own writer thread copies payloads out while the store thread waits on an fsync
+        # or a commit.
+        self._spool = Spool(self.spool_dir)
         # One server per directory: a second one would interleave its state with ours. The
         # kernel drops the lock with the process, also on kill -9.
         self._lock_file = open(self.dir / LOCK_NAME, "a")  # noqa: SIM115
@@ -152,25 +138,6 @@ class SqliteState(AggregatorState):
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
-        # The spool has its own writer thread, so payloads are copied out while the store
-        # thread waits on an fsync or a commit. Only the writer appends and rotates segments;
-        # _spool_lock guards what the store thread reads of them.
-        self._spool_jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._spool_thread: threading.Thread | None = None
-        self._spool_lock = threading.Lock()
-        self._segment = 0
-        self._segment_fd: int | None = None
-        self._segment_size = 0
-        self._written = 0            # payload bytes appended (writer thread)
-        self._synced = 0             # of which fsynced (store thread)
-        # Direct writes (writer thread only): a second descriptor of the open segment with
-        # O_DIRECT, and the aligned scratch buffer, made on first use.
-        self._direct = hasattr(os, "O_DIRECT")
-        self._direct_fd: int | None = None
-        self._bounce: np.ndarray | None = None
-        #: Payload bytes written directly and through the page cache (tests, benchmarks).
-        self.direct_bytes = 0
-        self.buffered_bytes = 0
         #: Group commits done, and operations they covered (the benchmark reports both).
         self.commits = 0
         self.committed_ops = 0
@@ -196,10 +163,19 @@ class SqliteState(AggregatorState):
                              "FROM pending ORDER BY seq")]
         state.rows = [json.loads(r) for (r,) in
                       c.execute("SELECT row FROM versions ORDER BY version")]
-        segments = [int(p.stem) for p in self.spool_dir.glob("*.seg") if p.stem.isdigit()]
-        self._segment = max(segments, default=0) + 1  # never append to a segment of a past life
-        self._free_segments(keep=set())
+        self._spool.resume()  # never append to a segment of a past life
+        self._spool.free(self._pending_segments())
         return state
+
+    @property
+    def direct_bytes(self) -> int:
+        """Spooled payload bytes written with ``O_DIRECT`` (tests, benchmarks)."""
+        return self._spool.direct_bytes
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Spooled payload bytes written through the page cache (tests, benchmarks)."""
+        return self._spool.buffered_bytes
 
     def read_payload(self, ref: SpoolRef) -> bytes:
         """A spooled payload's bytes (start-up replay)."""
@@ -209,13 +185,7 @@ class SqliteState(AggregatorState):
             if row is None or len(row[0]) != ref.length:
                 raise ValueError(f"no inline payload of {ref.length} bytes with id {ref.offset}")
             return bytes(row[0])
-        with open(self._segment_path(ref.segment), "rb") as f:
-            f.seek(ref.offset)
-            data = f.read(ref.length)
-        if len(data) != ref.length:
-            raise ValueError(f"spool segment {ref.segment} is shorter than its pending updates "
-                             f"say ({ref.offset}+{ref.length})")
-        return data
+        return self._spool.read(ref)
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -235,16 +205,10 @@ class SqliteState(AggregatorState):
             done.set_result(SpoolRef(INLINE_SEGMENT, ident, len(view),
                                      data=data if isinstance(data, bytes) else bytes(view)))
             return done
-        job = _Job(None, None, Future(), data=view)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the state store is closed")
-            if self._spool_thread is None:
-                self._spool_thread = threading.Thread(target=self._spool_loop,
-                                                      name="murmura-spool", daemon=True)
-                self._spool_thread.start()
-        self._spool_jobs.put(job)
-        return job.future
+            return self._spool.write(view)
 
     def submit(self, op: Op, *, counters: dict[str, Any] | None = None,
                publishes: bool = False) -> Future[None]:
@@ -324,129 +288,15 @@ class SqliteState(AggregatorState):
             if stop:
                 return
 
-    def _spool_loop(self) -> None:
-        while True:
-            job = self._spool_jobs.get()
-            if job is None:
-                return
-            try:
-                settle(job.future, result=self._append(job))
-            except BaseException as exc:  # noqa: BLE001 - handed to the push that waits
-                settle(job.future, exc=exc)
-            finally:
-                job.data = None
-
-    def _append(self, job: _Job) -> SpoolRef:
-        """On the writer thread: append one payload to the open segment (rotating first if
-        it is full). Written, not yet durable: the group commit's fsync makes it so."""
-        assert job.data is not None
-        if self._segment_fd is None or self._segment_size >= SEGMENT_BYTES:
-            self._rotate()
-        assert self._segment_fd is not None
-        data, start = job.data, self._segment_size
-        offset, end = start, start + len(data)
-        direct = self._direct_fd is not None and len(data) >= DIRECT_MIN_BYTES
-        if direct:
-            offset = -(-start // DIRECT_ALIGN) * DIRECT_ALIGN  # a hole before it reads as zeros
-            try:
-                end = self._write_direct(data, offset)
-                self.direct_bytes += len(data)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                log.info("the spool's file system refuses direct writes (%s); writing through "
-                         "the page cache from now on", exc)
-                self._direct = direct = False
-                self._close_direct()
-                offset, end = start, start + len(data)
-        if not direct:
-            _pwrite_all(self._segment_fd, data, offset)
-            self.buffered_bytes += len(data)
-        with self._spool_lock:
-            self._segment_size = end
-            self._written += end - start
-        return SpoolRef(self._segment, offset, len(data))
-
-    def _write_direct(self, data: memoryview, offset: int) -> int:
-        """Write ``data`` at the aligned ``offset`` of the open segment with O_DIRECT; returns
-        where the record ends (its last block padded with zeros)."""
-        assert self._direct_fd is not None
-        fd, n = self._direct_fd, len(data)
-        body = n - n % DIRECT_ALIGN
-        src = np.frombuffer(data, dtype=np.uint8)
-        if self._bounce is None:
-            self._bounce = np.frombuffer(mmap.mmap(-1, BOUNCE_BYTES), dtype=np.uint8)
-        bounce = self._bounce
-        if src.ctypes.data % DIRECT_ALIGN == 0:
-            _pwrite_all(fd, data[:body], offset)  # from the receive buffer or slab itself
-        else:  # an unaligned source (an in-process caller's bytes): through the scratch
-            for at in range(0, body, BOUNCE_BYTES):
-                k = min(BOUNCE_BYTES, body - at)
-                np.copyto(bounce[:k], src[at:at + k])
-                _pwrite_all(fd, bounce.data[:k], offset + at)
-        tail = n - body
-        if not tail:
-            return offset + body
-        bounce[:tail] = src[body:]
-        bounce[tail:DIRECT_ALIGN] = 0
-        _pwrite_all(fd, bounce.data[:DIRECT_ALIGN], offset + body)
-        return offset + body + DIRECT_ALIGN
-
-    def _close_direct(self) -> None:
-        if self._direct_fd is not None:
-            os.close(self._direct_fd)
-            self._direct_fd = None
-
-    def _rotate(self) -> None:
-        old = self._segment_fd
-        if old is not None:
-            os.fsync(old)  # what the old segment holds is durable before it is left
-        path = self._segment_path(self._segment + (old is not None))
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        fsync_dir(self.spool_dir)  # the new file's name is durable before rows refer to it
-        self._close_direct()
-        if self._direct:
-            try:  # the same file for direct writes (fsync of either descriptor covers both)
-                self._direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)  # type: ignore[attr-defined]
-            except OSError as exc:  # e.g. a file system without direct I/O
-                log.info("the spool's file system has no direct writes (%s); writing through "
-                         "the page cache", exc)
-                self._direct = False
-        with self._spool_lock:
-            if old is not None:
-                self._segment += 1
-            self._segment_fd, self._segment_size = fd, os.fstat(fd).st_size
-            self._synced = self._written if old is not None else self._synced
-        if old is not None:
-            os.close(old)
-
-    def _segment_path(self, segment: int) -> Path:
-        return self.spool_dir / f"{segment:08d}.seg"
-
-    def _sync_spool(self) -> None:
-        """On the store thread: fsync what was appended so far (a dup of the segment's fd, so
-        the writer may rotate meanwhile)."""
-        with self._spool_lock:
-            if self._segment_fd is None or self._written == self._synced:
-                return
-            mark, fd = self._written, os.dup(self._segment_fd)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        with self._spool_lock:
-            self._synced = max(self._synced, mark)
-
     def _commit(self, jobs: list[_Job]) -> None:
         c = self._conn
         if self.before_commit is not None:
             self.before_commit()  # tests: hold a commit while its waiters are cancelled
         try:
-            self._sync_spool()  # payloads before the rows that point at them
+            self._spool.sync()  # payloads before the rows that point at them
             c.execute("BEGIN IMMEDIATE")
             try:
                 for job in jobs:
-                    assert job.op is not None
                     self._apply(c, job.op)
                 counters = next((j.counters for j in reversed(jobs) if j.counters is not None),
                                 None)
@@ -469,23 +319,13 @@ class SqliteState(AggregatorState):
             settle(job.future)
         if any(j.publishes for j in jobs):
             try:
-                keep = {s for (s,) in c.execute("SELECT DISTINCT segment FROM pending")}
-                self._free_segments(keep)
+                self._spool.free(self._pending_segments())
             except OSError as exc:
                 log.warning("could not remove consumed spool segments: %s", exc)
 
-    def _free_segments(self, keep: set[int]) -> None:
-        """Delete spool segments that no pending update refers to (never the open one, nor
-        one the writer may be opening)."""
-        if not keep:
-            keep = {s for (s,) in self._conn.execute("SELECT DISTINCT segment FROM pending")}
-        with self._spool_lock:
-            current = self._segment
-        for p in self.spool_dir.glob("*.seg"):
-            if p.stem.isdigit():
-                n = int(p.stem)
-                if n not in keep and n < current:
-                    p.unlink(missing_ok=True)
+    def _pending_segments(self) -> set[int]:
+        """The spool segments that pending updates still point into."""
+        return {s for (s,) in self._conn.execute("SELECT DISTINCT segment FROM pending")}
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Finish the queued operations, then stop the thread and close the files."""
@@ -498,29 +338,24 @@ class SqliteState(AggregatorState):
         self._lock_file.close()
 
     def _stop_threads(self, timeout: float | None) -> None:
-        if self._spool_thread is not None:
-            self._spool_jobs.put(None)
-            self._spool_thread.join(timeout)
+        self._spool.stop(timeout)  # its writes first: queued commits may point at them
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout)
-        if self._segment_fd is not None:
-            os.close(self._segment_fd)
-            self._segment_fd = None
-        self._close_direct()
+        self._spool.close()  # after the store thread's last sync
 
     def abandon(self) -> None:
         """Tests: stop as a killed process would, dropping what is queued and not committed."""
         with self._lock:
             self._closed = True
-        for jobs in (self._jobs, self._spool_jobs):
-            while True:
-                try:
-                    job = jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    settle(job.future, exc=RuntimeError("the store was abandoned"))
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                settle(job.future, exc=RuntimeError("the store was abandoned"))
+        self._spool.drop_queued("the store was abandoned")
         self._stop_threads(10)
         self._conn.close()
         self._lock_file.close()
@@ -533,23 +368,10 @@ def _forget_pending(c: sqlite3.Connection, seqs: tuple[int, ...]) -> None:
     c.executemany("DELETE FROM pending WHERE seq = ?", [(s,) for s in seqs])
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (a new or renamed file) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 #: The name the durable backend had before the state interface; kept for callers.
 StateStore = SqliteState
 
-__all__ = ["DB_NAME", "PendingUpdate", "SpoolRef", "SqliteState", "StateStore", "StoredState",
-           "fsync_dir"]
+# The spool's constants and fsync_dir are re-exported: callers and tests import them from here.
+__all__ = ["BOUNCE_BYTES", "DB_NAME", "DIRECT_ALIGN", "DIRECT_MIN_BYTES", "INLINE_MAX_BYTES",
+           "INLINE_SEGMENT", "SEGMENT_BYTES", "PendingUpdate", "SpoolRef", "SqliteState",
+           "StateStore", "StoredState", "fsync_dir"]

@@ -1,7 +1,7 @@
-"""The durable spool (server/store.py): payloads of every size and alignment, spooled and
-committed in one group, read back byte for byte by a state opened again after the writer
-stopped as a killed process would; direct writes where the file system takes them, the page
-cache where it refuses them, and a failing disk reported to the push."""
+"""The durable spool (server/spool.py, behind server/store.py): payloads of every size and
+alignment, spooled and committed in one group, read back byte for byte by a state opened again
+after the writer stopped as a killed process would; direct writes where the file system takes
+them, the page cache where it refuses them, and a failing disk reported to the push."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from murmura.server.buffers import BufferPool
+from murmura.server.spool import Spool
 from murmura.server.state import DropPush, PublishVersion, RecordPush, Touch
 from murmura.server.store import (
     DIRECT_ALIGN,
@@ -111,10 +112,10 @@ def test_a_group_commit_of_mixed_payloads_is_intact_after_reopening(tmp_path: Pa
 
 def test_a_file_system_that_refuses_direct_writes_gets_them_through_the_page_cache(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(self: SqliteState, data: memoryview, offset: int) -> int:
+    def refuse(self: Spool, data: memoryview, offset: int) -> int:
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(SqliteState, "_write_direct", refuse)
+    monkeypatch.setattr(Spool, "_write_direct", refuse)
     items = payloads()
     state = SqliteState(tmp_path)
     state.load()
@@ -133,15 +134,15 @@ def test_a_file_system_that_refuses_direct_writes_gets_them_through_the_page_cac
 def test_a_failing_direct_write_fails_the_spool_and_the_next_one_works(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    original = SqliteState._write_direct
+    original = Spool._write_direct
 
-    def disk_full_once(self: SqliteState, data: memoryview, offset: int) -> int:
+    def disk_full_once(self: Spool, data: memoryview, offset: int) -> int:
         calls.append(offset)
         if len(calls) == 1:
             raise OSError(errno.ENOSPC, "No space left on device")
         return original(self, data, offset)
 
-    monkeypatch.setattr(SqliteState, "_write_direct", disk_full_once)
+    monkeypatch.setattr(Spool, "_write_direct", disk_full_once)
     state = SqliteState(tmp_path)
     state.load()
     if not direct_io_works(tmp_path):
