@@ -40,7 +40,10 @@ class ClientEvalReport:
 def report_from_metrics(client_id: str, metrics: Mapping[str, float]) -> ClientEvalReport | None:
     """The evaluation report in an update's metrics, or None if it carries none (or a
     malformed one, which is logged and ignored: the update itself is still good)."""
-    if not any(k.startswith(PREFIX) for k in metrics):
+    for k in metrics:  # a plain loop: a generator cost ~5 us on every update
+        if k.startswith(PREFIX):
+            break
+    else:
         return None
     version, examples = metrics.get(VERSION_KEY, -1.0), metrics.get(EXAMPLES_KEY, 0.0)
     try:

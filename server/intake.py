@@ -209,10 +209,14 @@ class IntakeJob:
         row stepped the same old deltas (async runs that swung by 0.4 in accuracy)."""
         return self.version + self.publishing - base_version
 
-    def begin_push(self, header: UpdateHeader, payload_bytes: int, *,
-                   wire_bytes: int = 0) -> tuple[ClientRecord, PushResult | None]:
+    def begin_push(self, header: UpdateHeader, payload_bytes: int, *, wire_bytes: int = 0,
+                   prechecked: ClientRecord | None = None
+                   ) -> tuple[ClientRecord, PushResult | None]:
         """Everything checkable before decoding. Returns the client's record and, for a retried
         update that was already counted, the answer to give (the payload need not be decoded).
+
+        ``prechecked`` is the record :meth:`precheck` returned for this header with nothing
+        run on the core since (the synchronous driver): its checks are not repeated.
 
         Unless it refuses or answers a duplicate, the caller must end the push with
         :meth:`finish_push` or :meth:`abort_push`.
@@ -222,7 +226,7 @@ class IntakeJob:
         try:
             if self.store_error is not None:
                 raise Unavailable("the aggregator cannot write its durable state; retry later")
-            rec = self._record(header.session)
+            rec = self._record(header.session) if prechecked is None else prechecked
             wait = self._push_limit.allow(rec.client_id, self.clock())
             if wait:
                 raise ResourceExhausted(f"client {quote(rec.client_id)} pushes too often (at "
@@ -238,7 +242,8 @@ class IntakeJob:
             if key in self._inflight:
                 raise Aborted(f"update {header.update_id!r} is already being taken in; retry "
                               f"to learn its outcome")
-            rec = self._precheck(header, rec)
+            if prechecked is None:
+                rec = self._precheck(header, rec)
             if self.finished:
                 raise FailedPrecondition(self._finished_message(), reason="run over")
             if header.payload_bytes != payload_bytes:

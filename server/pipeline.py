@@ -69,14 +69,15 @@ class PushPipeline:
              wire_bytes: int = 0) -> PushResult:
         """Every step on this thread (the in-process tier); refusals raise ServiceError."""
         core, tier = self.core, self.tier
-        core.precheck(header)
+        rec = core.precheck(header)
         if len(payload) != header.payload_bytes:
             exc = InvalidArgument(f"header announced {header.payload_bytes} payload bytes, "
                                   f"the push carried {len(payload)}")
             core.count_refusal(exc)
             raise exc
         core.last_durable = None
-        rec, duplicate = core.begin_push(header, len(payload), wire_bytes=wire_bytes)
+        rec, duplicate = core.begin_push(header, len(payload), wire_bytes=wire_bytes,
+                                         prechecked=rec)
         if duplicate is not None:
             _wait(core.last_durable, "the update")
             return duplicate
