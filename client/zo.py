@@ -70,6 +70,15 @@ def seed_codec_for(settings: TaskSettings) -> SeedCodec:
     return codec
 
 
+def check_step_budget(planned: int | None, codec: SeedCodec) -> None:
+    """Refuse a task whose steps (``planned``, None when unknown) cannot fit one payload."""
+    if planned is not None and planned * codec.q > codec.max_steps:
+        raise ValueError(f"{planned} zeroth-order steps per task x q={codec.q} perturbations "
+                         f"exceed the seed codec's max_steps={codec.max_steps}; lower "
+                         "local_steps/local_epochs or q, or raise codec option max_steps on "
+                         "the server")
+
+
 def model_bytes(module: nn.Module) -> int:
     """Bytes of the module's parameters and buffers."""
     return sum(t.numel() * t.element_size() for t in module.state_dict().values())
@@ -283,12 +292,7 @@ class ZOTrainer(Trainer):
                         "default options) instead", settings.codec)
             self._warned_codec = True
         codec = seed_codec_for(settings)
-        planned = self.planned_steps(settings)
-        if planned is not None and planned * codec.q > codec.max_steps:
-            raise ValueError(f"{planned} zeroth-order steps per task x q={codec.q} perturbations "
-                             f"exceed the seed codec's max_steps={codec.max_steps}; lower "
-                             "local_steps/local_epochs or q, or raise codec option max_steps on "
-                             "the server")
+        check_step_budget(self.planned_steps(settings), codec)
         return codec
 
     def train(self, params: FlatVector, settings: TaskSettings, *, seed: int) -> TrainResult:
@@ -429,5 +433,5 @@ def make_trainer(model: nn.Module, data: ArrayDataset | Iterable[Any] | Callable
                            num_examples=num_examples, amp=amp)
 
 
-__all__ = ["SEED_CODEC", "SettingsTrainer", "ZOTrainer", "bind_flat", "make_trainer",
-           "seed_codec_for"]
+__all__ = ["SEED_CODEC", "SettingsTrainer", "ZOTrainer", "bind_flat", "check_step_budget",
+           "make_trainer", "seed_codec_for"]

@@ -22,7 +22,7 @@ exactly representable ``+-1.0`` values.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +37,7 @@ __all__ = [
     "hash_words_reference",
     "iter_rademacher",
     "rademacher",
+    "rademacher_rows",
     "rademacher_reference",
     "splitmix64",
     "stream_keys",
@@ -52,6 +53,8 @@ _C2_LOW = _C2 - (1 << 31)
 MAX_STREAM_LENGTH = 32 << 32
 _DEFAULT_BLOCK = 1 << 20
 _CHUNK_WORDS = 1 << 15
+#: :func:`rademacher_rows` on an accelerator: words hashed per pass, over all rows.
+_DEVICE_PASS_WORDS = 1 << 22
 
 # Row b, column e holds the value of bit e of byte b: +1.0 for a 0 bit, -1.0 for a 1 bit.
 _TABLE_CPU = torch.tensor(
@@ -185,6 +188,44 @@ def rademacher(
     if skip == 0 and total * 32 == size:
         return values
     return values[skip : skip + size]
+
+
+def rademacher_rows(
+    seeds: Sequence[int], size: int, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Values ``0 .. size-1`` of each stream in ``seeds``: a ``(len(seeds), size)`` float32
+    tensor whose row ``i`` is ``rademacher(seeds[i], size)`` bit for bit.
+
+    One set of tensor operations draws every row (the same integer arithmetic, broadcast over
+    the seeds' keys), so a batch of clients taking zeroth-order steps together (the vectorised
+    simulator) pays a few kernel launches per step, not a few per client.
+    """
+    dev = _resolve(device)
+    rows = len(seeds)
+    _check_range(size, 0)
+    out = torch.empty(rows, size, dtype=torch.float32, device=dev)
+    if rows == 0 or size == 0:
+        return out
+    keys = [stream_keys(s) for s in seeds]
+    k0 = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=dev).unsqueeze(1)
+    k1 = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=dev).unsqueeze(1)
+    table, shifts = _constants(dev)
+    total = (size + 31) >> 5
+    # Words per pass: on a CPU, the (rows, words) int64 temporaries stay about cache-sized;
+    # on an accelerator, few enough passes that kernel launches don't dominate.
+    budget = _CHUNK_WORDS if dev.type == "cpu" else _DEVICE_PASS_WORDS
+    step = max(1, min(total, budget // rows))
+    for first in range(0, total, step):
+        count = min(step, total - first)
+        x = torch.arange(first, first + count, dtype=torch.int64, device=dev).unsqueeze(0) ^ k0
+        x = _mix_torch(x)
+        x ^= k1
+        x = _mix_torch(x)
+        byte_index = ((x.unsqueeze(2) >> shifts) & 0xFF).reshape(-1)
+        values = torch.index_select(table, 0, byte_index).view(rows, count * 32)
+        stop = min(size, (first + count) * 32)
+        out[:, first * 32 : stop] = values[:, : stop - first * 32]
+    return out
 
 
 def iter_rademacher(

@@ -25,7 +25,8 @@ def prepare_server(server: ServerConfig, sim: SimulationConfig, *,
     of them (``min_clients = clients``) so the first cohort is deterministic.
     """
     if server.train.trainer == "zo":  # refused before anything is built
-        check_own_trainer_path("the zeroth-order trainer", sim.executor, sim.vectorise)
+        check_own_trainer_path("the zeroth-order trainer", sim.executor, sim.vectorise,
+                               vectorised=True)
     if server.train.seed != server.seed:
         server = dataclasses.replace(server, train=dataclasses.replace(server.train,
                                                                        seed=server.seed))

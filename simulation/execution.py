@@ -223,12 +223,14 @@ class PoolExecutor(Executor):
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def check_own_trainer_path(what: str, executor: str, vectorise: str) -> None:
+def check_own_trainer_path(what: str, executor: str, vectorise: str, *,
+                           vectorised: bool = False) -> None:
     """Refuse the paths a client's own trainer (the zeroth-order trainer, an app's own train
-    or loss) cannot take: it runs in the loop or the pool executor, not vectorised, not on
-    Ray."""
-    if executor in ("ray", "vmap") or vectorise == "on":
-        raise ValueError(f"{what} runs in the loop or pool executor "
+    or loss) cannot take: it runs in the loop or the pool executor, not on Ray, and not
+    vectorised unless ``vectorised`` (the zeroth-order trainer has a vectorised twin)."""
+    if executor == "ray" or (not vectorised and (executor == "vmap" or vectorise == "on")):
+        paths = "the loop, pool or vmap executor" if vectorised else "the loop or pool executor"
+        raise ValueError(f"{what} runs in {paths} "
                          f"(executor={executor!r}, vectorise={vectorise!r} asked)")
 
 

@@ -82,9 +82,26 @@ def choose_executor(sim: SimulationConfig, data: SimulationData,
         device = resolve_device(sim.device)
     on_cpu = device == "cpu"
     own_train = has_own_train(data.task)
+    zo = settings.trainer == "zo" and not own_train
+    if zo and (sim.executor == "vmap" or sim.vectorise == "on"
+               or (sim.executor == "auto" and sim.vectorise == "auto" and not on_cpu)):
+        # The vectorised twin of the zeroth-order trainer: asked for, or on an accelerator,
+        # where one client at a time leaves the device idle between kernel launches. On the
+        # CPU, auto keeps each client's own trainer (its step log is the deployed client's
+        # bit for bit; vmap's matches it to float32 rounding).
+        try:
+            ex = VectorisedExecutor(factory, train, shares, chunk_size=sim.chunk_size,
+                                    device=device)
+            return ex, f"the zeroth-order trainer vectorised: {ex.probe(settings)}"
+        except VectorisationError as exc:
+            if sim.executor == "vmap" or sim.vectorise == "on":
+                raise ValueError(f"zeroth-order training can't be vectorised for this model: "
+                                 f"{exc}") from exc
+            log.warning("vectorised zeroth-order training is not possible for this model "
+                        "(%s); each client runs its own trainer on %s", exc, device)
     if settings.trainer == "zo" or own_train:
         what = "an app's own train() or loss()" if own_train else "the zeroth-order trainer"
-        check_own_trainer_path(what, sim.executor, sim.vectorise)
+        check_own_trainer_path(what, sim.executor, sim.vectorise, vectorised=zo)
         note = f"{what}: each client's own trainer"
         if sim.executor == "pool" or (sim.executor != "loop" and workers > 1 and on_cpu):
             return PoolExecutor(factory, train, shares, workers=workers, task=data.task), note

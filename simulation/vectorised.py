@@ -49,6 +49,7 @@ rounding only (reductions run in another order on a GPU).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -62,6 +63,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from murmura.protocols import ModelSpec, TaskSettings
 from murmura.simulation.config import CPU_CHUNK, resolve_device
 from murmura.simulation.execution import Executor, Index, Job, JobResult, ModelFactory
+from murmura.simulation.vectorised_zo import run_zo_chunk
 from murmura.tasks import ArrayDataset
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,20 @@ def _cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         per = torch.logsumexp(z, dim=-1) - z.gather(-1, y.unsqueeze(-1)).squeeze(-1)
         return per.flatten(1).mean(1)
     return torch.logsumexp(logits, dim=-1) - logits.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclasses.dataclass
+class ChunkSchedule:
+    """A chunk's local batches: ``(clients, steps, batch)`` positions drawn on the host as
+    each client's trainer draws them, and their device copies."""
+
+    sizes: list[int]                 # each client's number of examples
+    valid: npt.NDArray[np.bool_]     # (c, steps, batch): a real row, not padding
+    counts: npt.NDArray[np.int64]    # (c, steps): rows in each client's batch
+    active: npt.NDArray[np.bool_]    # (c, steps): the client takes this step
+    idx: torch.Tensor                # (c, steps, batch) rows of the training data (device)
+    mask: torch.Tensor               # (c, steps, batch) float32 validity (device)
+    active_t: torch.Tensor           # (c, steps) bool (device)
 
 
 def local_schedule(n: int, settings: TaskSettings, seed: int) -> npt.NDArray[np.int64]:
@@ -187,7 +203,7 @@ class VectorisedExecutor(Executor):
         self._layout()
         # the module functional_call runs: the template itself on the CPU, a copy on the device
         # elsewhere (buffers it does not take from the stacked state must live there too)
-        self._module = self.model if self.device.type == "cpu" \
+        self.module = self.model if self.device.type == "cpu" \
             else copy.deepcopy(self.model).to(self.device)
         self._x = _upload(train.x, self.device, "x")
         self._y = _upload(train.y, self.device, "y")
@@ -214,7 +230,7 @@ class VectorisedExecutor(Executor):
 
     def _loss(self, params: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
               x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = functional_call(self._module, (params, state), (x,))
+        out = functional_call(self.module, (params, state), (x,))
         per = self.loss(out, y)
         return (per * mask).sum() / mask.sum().clamp(min=1.0)
 
@@ -276,7 +292,7 @@ class VectorisedExecutor(Executor):
     def _activation_bytes(self, batch_size: int) -> int:
         """Bytes autograd saves for one client's backward pass on ``batch_size`` rows."""
         n = min(batch_size, len(self._x))
-        module = copy.deepcopy(self._module)  # a copy: the pass moves BatchNorm statistics
+        module = copy.deepcopy(self.module)  # a copy: the pass moves BatchNorm statistics
         owned = {p.untyped_storage().data_ptr() for p in module.parameters()}
         saved: dict[tuple[int, int], int] = {}  # (address, elements) -> bytes
 
@@ -331,7 +347,9 @@ class VectorisedExecutor(Executor):
         torch.cuda.empty_cache()
         return size
 
-    def _run_chunk(self, jobs: Sequence[Job], settings: TaskSettings) -> list[JobResult]:
+    def schedule(self, jobs: Sequence[Job], settings: TaskSettings) -> ChunkSchedule:
+        """The chunk's batches, drawn as each client's trainer would draw them, with the
+        index, mask and activity tensors on the device (one upload per chunk)."""
         c = len(jobs)
         sizes = [len(self.shares[j.client]) for j in jobs]
         # a job's own step count (server-assigned) is its local_steps: the same schedule
@@ -365,11 +383,34 @@ class VectorisedExecutor(Executor):
         active = counts > 0
         dev = self.device
         # the schedule goes to the device once per chunk; no step below waits for the host
-        idx_t = _to(torch.from_numpy(idx), dev)
-        mask_t = _to(torch.from_numpy(valid.astype(np.float32)), dev)
-        active_t = _to(torch.from_numpy(active), dev)
+        return ChunkSchedule(sizes, valid, counts, active,
+                             _to(torch.from_numpy(idx), dev),
+                             _to(torch.from_numpy(valid.astype(np.float32)), dev),
+                             _to(torch.from_numpy(active), dev))
 
-        base = self._stack_params(jobs)
+    def batch(self, plan: ChunkSchedule, s: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
+        """Step ``s``'s rows, labels and mask for every client of the chunk, on the device."""
+        c = len(plan.sizes)
+        w = int(plan.counts[:, s].max())
+        # index_select on the flat indices: the same rows as x[idx] at a quarter of the
+        # cost of advanced indexing, which took a tenth of a 1,000-client round
+        flat = plan.idx[:, s, :w].reshape(-1)
+        xb = torch.index_select(self._x, 0, flat).view(c, w, *self._x.shape[1:])
+        yb = torch.index_select(self._y, 0, flat).view(c, w, *self._y.shape[1:])
+        return xb, yb, plan.mask[:, s, :w]
+
+    def _run_chunk(self, jobs: Sequence[Job], settings: TaskSettings) -> list[JobResult]:
+        if settings.trainer == "zo":
+            return run_zo_chunk(self, jobs, settings)
+        c = len(jobs)
+        plan = self.schedule(jobs, settings)
+        sizes, valid, counts, active = plan.sizes, plan.valid, plan.counts, plan.active
+        active_t = plan.active_t
+        steps = counts.shape[1]
+        dev = self.device
+
+        base = self.stack_params(jobs)
         params: dict[str, torch.Tensor] = {}
         state: dict[str, torch.Tensor] = {}
         for name, off in self.offsets.items():
@@ -385,13 +426,7 @@ class VectorisedExecutor(Executor):
                                device=dev)
         torch.manual_seed(_chunk_seed(jobs))  # dropout masks: reproducible for this batch
         for s in range(steps):
-            w = int(counts[:, s].max())
-            # index_select on the flat indices: the same rows as x[idx] at a quarter of the
-            # cost of advanced indexing, which took a tenth of a 1,000-client round
-            flat = idx_t[:, s, :w].reshape(-1)
-            xb = torch.index_select(self._x, 0, flat).view(c, w, *self._x.shape[1:])
-            yb = torch.index_select(self._y, 0, flat).view(c, w, *self._y.shape[1:])
-            mb = mask_t[:, s, :w]
+            xb, yb, mb = self.batch(plan, s)
             act = active_t[:, s]
             partial = not bool(active[:, s].all())  # from the host copy: no device sync
             before = {n: v.clone() for n, v in state.items()} if partial else {}
@@ -421,7 +456,7 @@ class VectorisedExecutor(Executor):
                                              "steps": float(active_steps[i])})
                 for i in range(c)]
 
-    def _stack_params(self, jobs: Sequence[Job]) -> torch.Tensor:
+    def stack_params(self, jobs: Sequence[Job]) -> torch.Tensor:
         """The jobs' start vectors as a ``(clients, size)`` float32 tensor on the device.
 
         Jobs of one batch mostly start from the same global vector: each distinct vector is
@@ -472,9 +507,13 @@ class VectorisedExecutor(Executor):
         """
         from murmura.simulation.execution import LoopExecutor
 
-        probe = TaskSettings(local_steps=2, local_epochs=settings.local_epochs or 1,
-                             batch_size=settings.batch_size, lr=settings.lr,
-                             momentum=settings.momentum)
+        if settings.trainer == "zo":  # the trainer's own settings: eps, q, the codec options
+            probe = dataclasses.replace(settings, local_steps=2,
+                                        local_epochs=settings.local_epochs or 1)
+        else:
+            probe = TaskSettings(local_steps=2, local_epochs=settings.local_epochs or 1,
+                                 batch_size=settings.batch_size, lr=settings.lr,
+                                 momentum=settings.momentum)
         params = self.spec.flatten(self.model)
         jobs = [Job(c, params, 1000 + c) for c in range(min(2, len(self.shares)))]
         try:
@@ -485,12 +524,26 @@ class VectorisedExecutor(Executor):
             return "probe ran; values not compared (the model draws random numbers)"
         want = LoopExecutor(self.model_factory, self.train, self.shares).run(jobs, probe)
         for g, w in zip(got, want, strict=True):
+            if g.encoded is not None and w.encoded is not None:
+                _same_step_seeds(g.encoded[1], w.encoded[1], probe)
             scale = max(float(np.abs(w.params).max()), 1.0)
             err = float(np.abs(g.params - w.params).max()) / scale
             if not err <= tolerance:
                 raise VectorisationError(f"vmap result differs from the trainer by {err:.2e} "
                                          f"(relative), more than {tolerance:.0e}")
         return "probe matched the trainer"
+
+
+def _same_step_seeds(got: bytes, want: bytes, settings: TaskSettings) -> None:
+    """Zeroth-order step logs must name the same seeds (the server replays the directions
+    they name; the g values may differ by rounding, and the parameters compare those)."""
+    from murmura.client.zo import seed_codec_for
+
+    codec = seed_codec_for(settings)
+    a, b = codec.unpack(got).seeds, codec.unpack(want).seeds
+    if not np.array_equal(a, b):
+        raise VectorisationError(f"vmap's zeroth-order steps drew seeds {a[:4].tolist()}..., "
+                                 f"the trainer's {b[:4].tolist()}...")
 
 
 def _torch_device(device: str | torch.device) -> torch.device:

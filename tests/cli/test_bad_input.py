@@ -128,8 +128,8 @@ MORE_CASES = {
     "compass min steps above max": (
         ["server", "--mode", "compass", "--compass-min-steps", "5", "--compass-max-steps", "2"],
         ["compass_min_steps 5 and compass_max_steps 2"]),
-    "simulate zo trainer on vmap": (["simulate", "--trainer", "zo", "--codec", "seed",
-                                     "--executor", "vmap"], ["zeroth-order trainer runs in"]),
+    "simulate zo trainer on ray": (["simulate", "--trainer", "zo", "--codec", "seed",
+                                    "--executor", "ray"], ["zeroth-order trainer runs in"]),
 }
 
 

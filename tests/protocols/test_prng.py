@@ -211,3 +211,20 @@ def test_accelerator_stream_is_bit_identical_to_cpu(device: str) -> None:
             prng.rademacher(seed, size, offset=offset).numpy().tobytes()
     words = prng.hash_words(7, 100_000, device=device).cpu()
     assert np.array_equal(words.numpy(), prng.hash_words_reference(7, 100_000))
+
+
+@pytest.mark.parametrize("size", [0, 1, 31, 32, 33, 650, 40_000])
+def test_rows_of_many_streams_are_each_stream(size: int) -> None:
+    """rademacher_rows draws a chunk of clients' directions at once; each row must be its
+    seed's stream bit for bit, whatever the row count does to the passes it makes."""
+    seeds = [0, 1, 5, 2**32 + 7, 2**63, 2**64 - 1] + list(range(100, 1100, 9))
+    rows = prng.rademacher_rows(seeds, size)
+    assert rows.shape == (len(seeds), size) and rows.dtype == torch.float32
+    for i, seed in enumerate(seeds):
+        assert torch.equal(rows[i], prng.rademacher(seed, size))
+    assert prng.rademacher_rows([], size).shape == (0, size)
+
+
+def test_rows_refuse_a_bad_seed() -> None:
+    with pytest.raises(ValueError):
+        prng.rademacher_rows([1, -1], 10)
