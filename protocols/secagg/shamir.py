@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 #: The Mersenne prime ``2**521 - 1``: one field element holds a secret of up to 65 bytes.
 PRIME = (1 << 521) - 1
@@ -76,13 +79,7 @@ def _interpolate(points: Sequence[tuple[int, int]], at: int) -> int:
     suffix = [1] * (t + 1)
     for i in range(t - 1, -1, -1):
         suffix[i] = suffix[i + 1] * diffs[i] % PRIME
-    dens = []
-    for i, xi in enumerate(xs):
-        d = 1
-        for j, xj in enumerate(xs):
-            if j != i:
-                d *= xi - xj
-        dens.append(d % PRIME)
+    dens = _denominators(xs)
     running = [1] * (t + 1)  # Montgomery's batch inversion
     for i, d in enumerate(dens):
         running[i + 1] = running[i] * d % PRIME
@@ -93,6 +90,38 @@ def _interpolate(points: Sequence[tuple[int, int]], at: int) -> int:
         inv = inv * dens[i] % PRIME
         total += points[i][1] * (prefix[i] * suffix[i + 1] % PRIME) % PRIME * inv_i
     return total % PRIME
+
+
+#: :func:`_denominators` multiplies this many coordinate differences in int64 at a time: with
+#: every |x| below ``2**_SMALL_X_BITS`` a difference has at most 12 bits, so 5 of them fit.
+_SMALL_X_BITS, _GROUP = 11, 5
+
+
+def _denominators(xs: Sequence[int]) -> list[int]:
+    """``prod_{j != i} (x_i - x_j) mod PRIME`` for every ``i``.
+
+    The protocol's coordinates are client indices (small), so the t x t differences are
+    multiplied in int64 groups of :data:`_GROUP` with NumPy and only the groups' products in
+    Python integers: reconstructing a secret from ~100 shares was 3 ms of pure-Python
+    products, most of a large round's unmasking. Larger coordinates take the plain loop."""
+    t = len(xs)
+    if t > 1 and max(abs(x) for x in xs) < (1 << _SMALL_X_BITS):
+        x = np.asarray(xs, dtype=np.int64)
+        diffs = x[:, None] - x[None, :]
+        np.fill_diagonal(diffs, 1)
+        width = -(-t // _GROUP) * _GROUP
+        padded = np.ones((t, width), dtype=np.int64)
+        padded[:, :t] = diffs
+        groups = padded.reshape(t, -1, _GROUP).prod(axis=2)  # exact: |product| < 2**60
+        return [math.prod(row) % PRIME for row in groups.tolist()]
+    dens = []
+    for i, xi in enumerate(xs):
+        d = 1
+        for j, xj in enumerate(xs):
+            if j != i:
+                d *= xi - xj
+        dens.append(d % PRIME)
+    return dens
 
 
 def combine(shares: Sequence[Share]) -> bytes:

@@ -415,3 +415,22 @@ def test_unknown_dropouts_are_refused_and_unseeded_rounds_use_the_os_csprng() ->
     np.testing.assert_array_equal(
         Round(4, round_id=0, degree=3).run(x), _ring_sum(x, [1, 2, 3, 4], 32)
     )
+
+
+@pytest.mark.parametrize("t", [1, 2, 5, 6, 33, 104])
+@pytest.mark.parametrize("span", [50, 2047, 2048, 10**12])
+def test_interpolation_denominators_match_the_plain_products(t: int, span: int) -> None:
+    """The int64-grouped products (small coordinates) and the plain loop (any coordinates)
+    give the same Lagrange denominators, signs included."""
+    from murmura.protocols.secagg import shamir
+
+    rng = random.Random(t * 7919 + span)
+    xs = rng.sample(range(1, span + 1), t) if span >= t else list(range(1, t + 1))
+    want = []
+    for i, xi in enumerate(xs):
+        d = 1
+        for j, xj in enumerate(xs):
+            if j != i:
+                d *= xi - xj
+        want.append(d % shamir.PRIME)
+    assert shamir._denominators(xs) == want
