@@ -53,7 +53,9 @@ FIRST_CLIP = 0.5          # the adaptive clip's start, and the fixed clip's valu
 LR, BATCH = 0.2, 10
 #: Secure aggregation: cohort sizes, dropout shares, and the update length (the issue's
 #: 100k-parameter model; --quick keeps the sizes and cuts the model).
-SECAGG_CLIENTS = (10, 50, 100)
+SECAGG_CLIENTS = (10, 50, 100, 1000)
+#: the cohort the server-CPU ratio target is read at (the issue's)
+SECAGG_RATIO_AT = 100
 SECAGG_DROPOUTS = (0.0, 0.1, 0.3)
 SECAGG_SIZE = 100_000
 
@@ -291,9 +293,25 @@ def secagg_report(report: Report, size: int, clients: tuple[int, ...]) -> None:
     report.target("SecAgg bytes per client minus 1.2× plain dense-f32, minus key material "
                   "(keys, envelopes and shares: ~200 B per neighbour), worst row",
                   worst_bytes, "<=", 0.0, unit="B")
-    hundred = [r for r in rows if r["clients"] == max(clients)]
-    report.target(f"server CPU of a {max(clients)}-client round against plain, worst dropout",
-                  max(r["server_ratio"] for r in hundred), "<=", 3.0, unit="×")
+    at = SECAGG_RATIO_AT if SECAGG_RATIO_AT in clients else max(clients)
+    report.target(f"server CPU of a {at}-client round against plain, worst dropout",
+                  max(r["server_ratio"] for r in rows if r["clients"] == at), "<=", 3.0,
+                  unit="×")
+    fits = growth_fits(rows)
+    if fits:
+        worst = max(fits, key=lambda f: f["exponent"])
+        report.target("server CPU growth with the cohort: fitted exponent b of SecAgg server "
+                      "CPU ∝ (n log n)^b over n ≥ 50, worst dropout",
+                      worst["exponent"], "<=", 1.25,
+                      detail=f"dropout {worst['dropout']:.0%}, n = "
+                             f"{', '.join(str(n) for n in worst['clients'])}")
+        report.table("SecAgg server CPU against n log n (least squares on logs, n ≥ 50)",
+                     [Column("dropout", "dropout", "{:.0%}"),
+                      Column("exponent", "exponent b", "{:.2f}"),
+                      Column("r2", "R²", "{:.3f}"),
+                      Column("per_nlogn_us", "server µs per n log2 n (largest n)", "{:.1f}")],
+                     fits)
+        plot_growth(report, rows, fits)
     report.target("SecAgg model within the quantisation bound of plain FedAvg (worst row, "
                   "difference / bound)",
                   max(r["max_diff"] / r["quantisation_bound"] for r in rows), "<=", 1.0)
@@ -308,6 +326,55 @@ def secagg_report(report: Report, size: int, clients: tuple[int, ...]) -> None:
         "(their self-masks with their reconstructed seeds). Server CPU: thread time in the "
         "core's entry points, unmasking included; plain: the push pipeline's decode, fold "
         "and publish.", after_tables=True)
+
+
+def growth_fits(rows: list[dict[str, Any]], smallest: int = 50) -> list[dict[str, Any]]:
+    """Per dropout, the least-squares slope of log(server CPU) against log(n log2 n) over
+    the rows with at least ``smallest`` clients (tiny cohorts measure fixed costs): an
+    exponent near 1 is the issue's O(n log n); 2 would be quadratic."""
+    import numpy as np
+
+    fits = []
+    for dropout in sorted({r["dropout"] for r in rows}):
+        pts = sorted((r["clients"], r["secagg_server_s"]) for r in rows
+                     if r["dropout"] == dropout and r["clients"] >= smallest)
+        if len(pts) < 2:
+            continue
+        x = np.log([n * math.log2(n) for n, _ in pts])
+        y = np.log([s for _, s in pts])
+        slope, intercept = np.polyfit(x, y, 1)
+        residual = y - (slope * x + intercept)
+        spread = float(((y - y.mean()) ** 2).sum())
+        r2 = 1.0 - float((residual ** 2).sum()) / spread if spread > 0 else 1.0
+        n, s = pts[-1]
+        fits.append({"dropout": dropout, "exponent": float(slope), "r2": r2,
+                     "clients": [p[0] for p in pts],
+                     "per_nlogn_us": 1e6 * s / (n * math.log2(n))})
+    return fits
+
+
+def plot_growth(report: Report, rows: list[dict[str, Any]], fits: list[dict[str, Any]]) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for fit, marker in zip(fits, "osD^v", strict=False):
+        pts = sorted((r["clients"], r["secagg_server_s"]) for r in rows
+                     if r["dropout"] == fit["dropout"])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker,
+                label=f"SecAgg, dropout {fit['dropout']:.0%} (b = {fit['exponent']:.2f})")
+    plain = sorted((r["clients"], r["plain_server_s"]) for r in rows if r["dropout"] == 0.0)
+    if plain:
+        ax.plot([p[0] for p in plain], [p[1] for p in plain], marker="x", ls="--",
+                color="gray", label="plain FedAvg")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("clients in the round (n)")
+    ax.set_ylabel("server CPU s per round")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.suptitle("Secure aggregation: server CPU against the cohort")
+    fig.tight_layout()
+    fig.savefig(report.plot_path("_growth"), dpi=100)
+    plt.close(fig)
 
 
 def settings(q: float, versions: int) -> list[Setting]:
