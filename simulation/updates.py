@@ -37,7 +37,7 @@ from murmura.tasks import ArrayDataset
 from murmura.tasks.app import holdout
 
 if TYPE_CHECKING:
-    from murmura.simulation.engine import _Flight
+    from murmura.simulation.clients import _Flight
 
 
 def split_for_client_eval(data: SimulationData, seed: int) -> tuple[SimulationData,
