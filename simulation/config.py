@@ -79,7 +79,8 @@ class SimulationConfig:
     process pool of ``workers`` processes, or a plain loop when ``workers`` is 1; ``on``
     insists on vmap, ``off`` never uses it. ``executor`` names a path outright: ``vmap``,
     ``loop``, ``pool`` (``workers`` processes), or ``ray`` (``workers`` Ray actors, on a local
-    Ray started for the run, or on the cluster at ``ray_address``).
+    Ray started for the run, or on the cluster at ``ray_address``; each actor runs the loop,
+    or with ``vectorise='on'`` trains its share of a batch as vmapped chunks).
     ``threads`` pins torch's intra-op threads while the simulation runs (default 1: a
     simulated client's tensors are small, and on a small machine OpenMP's synchronisation
     costs more than a second thread gains, 10-20x more when another process holds a core).
@@ -173,7 +174,7 @@ class SimulationConfig:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.executor == "vmap" and self.vectorise == "off":
             raise ValueError("executor='vmap' contradicts vectorise='off'")
-        if self.executor in ("loop", "pool", "ray") and self.vectorise == "on":
+        if self.executor in ("loop", "pool") and self.vectorise == "on":
             raise ValueError(f"executor={self.executor!r} contradicts vectorise='on' (vmap)")
         if self.executor == "pool" and self.workers == 1:
             raise ValueError("executor='pool' needs workers >= 2 (or 0: one per core); "

@@ -109,8 +109,17 @@ def choose_executor(sim: SimulationConfig, data: SimulationData,
     if sim.executor in ("loop", "pool", "ray"):
         note = f"executor={sim.executor!r}"
         if sim.executor == "ray":
+            vectorise = sim.vectorise == "on"
+            if vectorise:  # checked here, on the CPU, before any actor starts
+                try:
+                    probe = VectorisedExecutor(factory, train, shares).probe(settings)
+                except VectorisationError as exc:
+                    raise ValueError(f"executor='ray' with vectorise='on' but the model "
+                                     f"can't be vectorised: {exc}") from exc
+                note = f"executor='ray', vectorise='on': vmapped chunks on the actors ({probe})"
             return RayExecutor(factory, train, shares, address=sim.ray_address or None,
-                               workers=sim.workers, device=device), note
+                               workers=sim.workers, device=device, vectorise=vectorise,
+                               chunk_size=sim.chunk_size), note
         if sim.executor == "pool":
             return PoolExecutor(factory, train, shares, workers=workers), note
         return LoopExecutor(factory, train, shares, device=device), note

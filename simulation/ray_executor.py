@@ -22,6 +22,11 @@ On GPUs (``device='cuda'``) each actor asks Ray for a share of a GPU (:func:`act
 the cluster's GPUs over the actors, so ``workers`` actors share them evenly; ``workers=0``
 starts one actor per GPU) and builds its trainers on ``cuda``, the GPU Ray assigned it.
 
+``vectorise=True``: each actor holds a :class:`~murmura.simulation.vectorised.VectorisedExecutor`
+instead of the loop, and a task is one actor's share of the batch, trained as vmapped chunks on
+the actor's device (a GPU of the cluster, its chunk size sized there when ``chunk_size=0``).
+Results then match the vectorised path's (to float32 rounding), not the loop's bit for bit.
+
 Ray is an optional dependency (``pip install "murmura[ray]"``), imported when an executor is
 built.
 """
@@ -37,6 +42,7 @@ import numpy as np
 import torch
 
 from murmura.protocols import FlatVector, TaskSettings
+from murmura.simulation.config import CPU_CHUNK
 from murmura.simulation.execution import (
     Executor,
     Index,
@@ -103,15 +109,24 @@ def import_ray() -> Any:
 
 
 class _RayWorker:
-    """The body of one Ray actor: a :class:`LoopExecutor` over the shared data."""
+    """The body of one Ray actor: a :class:`LoopExecutor` over the shared data, or (with
+    ``chunk_size`` set) a vectorised executor that trains each task as vmapped chunks."""
 
     def __init__(self, shared: tuple[ModelFactory, ArrayDataset, Sequence[Index]],
-                 threads: int, device: str = "cpu") -> None:
+                 threads: int, device: str = "cpu", chunk_size: int | None = None) -> None:
         torch.set_num_threads(threads)
         factory, train, shares = shared
         # on CUDA, "cuda" is the GPU Ray gave this actor (it sets CUDA_VISIBLE_DEVICES)
-        self.loop = LoopExecutor(factory, train, shares,
-                                 device="cuda" if device.startswith("cuda") else "cpu")
+        where = "cuda" if device.startswith("cuda") else "cpu"
+        self.loop: LoopExecutor | None = None
+        self.vec: Executor | None = None
+        if chunk_size is None:
+            self.loop = LoopExecutor(factory, train, shares, device=where)
+        else:
+            from murmura.simulation.vectorised import VectorisedExecutor
+
+            self.vec = VectorisedExecutor(factory, train, shares, chunk_size=chunk_size,
+                                          device=where)
 
     def ready(self) -> bool:
         return True
@@ -120,8 +135,12 @@ class _RayWorker:
               ) -> tuple[np.ndarray, list[int], list[dict[str, float]]]:
         # vectors come read-only from the object store; the trainer wants writable arrays
         starts = [np.array(v, dtype=np.float32) for v in vectors]
-        results = [self.loop.run_one(Job(client, starts[k], seed), settings)
-                   for client, k, seed in batch]
+        jobs = [Job(client, starts[k], seed) for client, k, seed in batch]
+        if self.vec is not None:
+            results = self.vec.run(jobs, settings)
+        else:
+            assert self.loop is not None
+            results = [self.loop.run_one(job, settings) for job in jobs]
         return (np.stack([r.params for r in results]), [r.num_examples for r in results],
                 [r.metrics for r in results])
 
@@ -137,7 +156,9 @@ class RayExecutor(Executor):
     installed as this one.
 
     ``jobs_per_task`` (0: automatic) is how many clients one Ray task trains. ``device``
-    ``cuda`` puts the actors' trainers on GPUs (:func:`actor_options`).
+    ``cuda`` puts the actors' trainers on GPUs (:func:`actor_options`). ``vectorise`` makes
+    each actor train its tasks as vmapped chunks of up to ``chunk_size`` clients (0: sized
+    from the actor's free GPU memory on CUDA), one task per actor per batch by default.
     """
 
     path = "ray"
@@ -145,7 +166,8 @@ class RayExecutor(Executor):
     def __init__(self, model_factory: ModelFactory, train: ArrayDataset,
                  shares: Sequence[Index], *, address: str | None = None, workers: int = 0,
                  jobs_per_task: int = 0, threads_per_worker: int = 1,
-                 start_timeout_s: float = 300.0, device: str = "cpu") -> None:
+                 start_timeout_s: float = 300.0, device: str = "cpu",
+                 vectorise: bool = False, chunk_size: int = CPU_CHUNK) -> None:
         if workers < 0 or jobs_per_task < 0:
             raise ValueError(f"workers and jobs_per_task must be >= 0, got {workers} and "
                              f"{jobs_per_task}")
@@ -155,9 +177,13 @@ class RayExecutor(Executor):
             raise ValueError(f"start_timeout_s must be positive, got {start_timeout_s}")
         if device != "cpu" and not device.startswith("cuda"):
             raise ValueError(f"Ray actors train on the CPU or on CUDA GPUs, not on {device!r}")
+        if chunk_size < 0:
+            raise ValueError(f"chunk_size must be >= 1, or 0 (auto), got {chunk_size}")
         ray = import_ray()
         self._ray = ray
         self.device_name = device
+        self.vectorise = vectorise
+        self.chunk_size = chunk_size if vectorise else 0
         self.jobs_per_task = jobs_per_task
         self._owns_ray = False
         self._actors: list[Any] = []
@@ -196,7 +222,9 @@ class RayExecutor(Executor):
         shared = ray.put((model_factory, train, list(shares)))  # shipped once, read by all
         # No actor restarts: an actor lost with its node fails the batch (and the run) loudly.
         actor = ray.remote(**options)(_RayWorker)
-        self._actors = [actor.remote(shared, threads, self.device_name) for _ in range(count)]
+        chunk = self.chunk_size if self.vectorise else None
+        self._actors = [actor.remote(shared, threads, self.device_name, chunk)
+                        for _ in range(count)]
         self.gpus_per_actor = options.get("num_gpus", 0.0)
         try:
             ray.get([a.ready.remote() for a in self._actors], timeout=timeout_s)
@@ -223,7 +251,10 @@ class RayExecutor(Executor):
                 key = keys[id(job.params)] = len(refs)
                 refs.append(ray.put(job.params))
             items.append((job.client, key, job.seed))
-        per = self.jobs_per_task or max(1, -(-len(items) // (self.workers * TASKS_PER_ACTOR)))
+        # the loop: several tasks per actor balance actors of different speeds; vmapped
+        # chunks: one task per actor, as large a chunk as the batch gives it
+        tasks = self.workers * (1 if self.vectorise else TASKS_PER_ACTOR)
+        per = self.jobs_per_task or max(1, -(-len(items) // tasks))
         batches = [items[s:s + per] for s in range(0, len(items), per)]
         out: list[tuple[np.ndarray, list[int], list[dict[str, float]]] | None] = \
             [None] * len(batches)
@@ -261,7 +292,9 @@ class RayExecutor(Executor):
     def describe(self) -> str:
         gpus = getattr(self, "gpus_per_actor", 0.0)
         on = f", {gpus:g} GPU" if gpus else ""
-        return (f"ray ({getattr(self, 'workers', 0)} actors running TorchTrainer, "
+        what = (f"vmapped chunks of up to {self.chunk_size or 'auto'} clients"
+                if getattr(self, "vectorise", False) else "TorchTrainer")
+        return (f"ray ({getattr(self, 'workers', 0)} actors running {what}, "
                 f"{getattr(self, 'threads', 1)} thread{on} each, on {self.where})")
 
     def close(self) -> None:
