@@ -299,10 +299,11 @@ def secagg_report(report: Report, size: int, clients: tuple[int, ...]) -> None:
                   unit="×")
     fits = growth_fits(rows)
     if fits:
+        # O(n log n) is b = 1; the 0.1 above it is room for the fixed costs of small rounds
         worst = max(fits, key=lambda f: f["exponent"])
         report.target("server CPU growth with the cohort: fitted exponent b of SecAgg server "
                       "CPU ∝ (n log n)^b over n ≥ 50, worst dropout",
-                      worst["exponent"], "<=", 1.25,
+                      worst["exponent"], "<=", 1.1,
                       detail=f"dropout {worst['dropout']:.0%}, n = "
                              f"{', '.join(str(n) for n in worst['clients'])}")
         report.table("SecAgg server CPU against n log n (least squares on logs, n ≥ 50)",
