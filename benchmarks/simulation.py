@@ -52,6 +52,8 @@ BATCH, LR = 10, 0.05
 #: The device section's language model: gpt1m on the ``lm`` task's windows, LM_WINDOWS per
 #: client (drawn from the training windows, seeded), LM_STEPS local steps of LM_BATCH windows.
 LM_MODEL, LM_WINDOWS, LM_BATCH, LM_STEPS, LM_LR = "gpt1m", 8, 4, 2, 0.05
+#: The zeroth-order rows (``lm-zo``): the same task and steps, seed step logs, this lr.
+LM_ZO_LR = 1e-3
 #: Host memory a device row may need (trained vectors, deltas and payloads: 3 copies of the
 #: model per client) as a share of this machine's memory; larger rows are skipped, saying so.
 HOST_MEMORY_SHARE = 0.5
@@ -68,8 +70,9 @@ def murmura_worker(clients: int, rounds: int, device: str = "",
     from murmura.simulation import SimulationConfig, simulate
     from murmura.tasks import TaskConfig
 
-    if task_name == "lm":
-        return lm_worker(clients, rounds, device)
+    if task_name.startswith("lm"):  # lm, lm-zo (vmap) or lm-zo-loop
+        return lm_worker(clients, rounds, device, zo=task_name.startswith("lm-zo"),
+                         executor="loop" if task_name.endswith("-loop") else "vmap")
 
     stamps: list[float] = []
     cpu: list[float] = []  # this process's CPU seconds (every thread) at each round's end
@@ -98,9 +101,12 @@ def murmura_worker(clients: int, rounds: int, device: str = "",
     return out_row
 
 
-def lm_worker(clients: int, rounds: int, device: str) -> dict[str, Any]:
-    """A device row of the ``lm`` task: gpt1m, LM_WINDOWS windows per client, vectorised,
-    no central evaluation (the round is the clients' training and the aggregator's work)."""
+def lm_worker(clients: int, rounds: int, device: str, *, zo: bool = False,
+              executor: str = "vmap") -> dict[str, Any]:
+    """A device row of the ``lm`` task: gpt1m, LM_WINDOWS windows per client, no central
+    evaluation (the round is the clients' training and the aggregator's work); first-order
+    and vectorised, or (``zo``) the zeroth-order trainer sending seed step logs, vectorised
+    or (``executor='loop'``) one client's own ZOTrainer after another."""
     import numpy as np
 
     from murmura.protocols import TaskSettings
@@ -115,13 +121,16 @@ def lm_worker(clients: int, rounds: int, device: str) -> dict[str, Any]:
     windows = len(task.train)
     shares = [np.sort(rng.choice(windows, LM_WINDOWS, replace=False)) for _ in range(clients)]
     data = SimulationData(task, shares, f"lm windows, {LM_WINDOWS} per client (seeded draw)")
-    server = ServerConfig.from_flat(
-        max_versions=rounds, round_deadline_s=1e9, seed=0,
-        train=TaskSettings(local_epochs=0, local_steps=LM_STEPS, batch_size=LM_BATCH, lr=LM_LR,
-                           momentum=0.0))
+    train = (TaskSettings(trainer="zo", codec="seed", local_epochs=0, local_steps=LM_STEPS,
+                          batch_size=LM_BATCH, lr=LM_ZO_LR, zo_eps=1e-3) if zo else
+             TaskSettings(local_epochs=0, local_steps=LM_STEPS, batch_size=LM_BATCH, lr=LM_LR,
+                          momentum=0.0))
+    server = ServerConfig.from_flat(max_versions=rounds, round_deadline_s=1e9, seed=0,
+                                    train=train)
     stamps: list[float] = []
     cpu: list[float] = []
-    sim = SimulationConfig(clients=clients, device=device, chunk_size=0, out="")
+    sim = SimulationConfig(clients=clients, device=device, chunk_size=0, out="",
+                           executor=executor if zo else "auto", workers=1)
     t0, c0 = time.perf_counter(), time.process_time()
 
     def mark(row: dict[str, Any]) -> None:
@@ -330,6 +339,9 @@ def run(argv: list[str] | None = None) -> int:
                        help="the device section's accelerator: cuda runs its rows on the GPU "
                             "as well as on the CPU, auto when CUDA is available, cpu (the "
                             "default) on the CPU only")
+        p.add_argument("--devices-only", action="store_true",
+                       help="run only the device section (a short lease on a GPU machine); "
+                            "results go to results/simulation_devices.json")
 
     args = parse_args("simulation", "Murmura's simulation against Flower's simulation engine",
                       argv, extra=extra)
@@ -342,6 +354,11 @@ def run(argv: list[str] | None = None) -> int:
     if args.smoke:  # one toy row, both sides; both targets are computed from it
         plan = {4: (2, 2)}
     versus, largest = max(k for k, (_, f) in plan.items() if f), max(plan)
+    if args.devices_only:
+        report = Report("simulation_devices", quick=quick, params={})
+        device_rows = _measure_devices(report, args, gpu)
+        _device_section(report, args, gpu, gpu_rows, device_rows)
+        return report.finish(save=not args.no_save)
     report = Report("simulation", quick=quick, params={
         "task": f"logistic regression, {FEATURES} features, {CLASSES} classes, synthetic IID",
         "examples_per_client": PER_CLIENT, "local_epochs": 1, "batch_size": BATCH, "lr": LR,
@@ -446,14 +463,23 @@ def _gpu_plan(asked: str) -> tuple[str, str]:
 def _device_plan(quick: bool, smoke: bool) -> list[tuple[str, str, int, int]]:
     """(task, device kind, clients, rounds) of the device section; ``device kind`` is cpu or
     gpu (run only with a GPU)."""
+    # zeroth-order rows: vectorised (lm-zo) against each client's own trainer (lm-zo-loop)
     if smoke:
-        return [("logreg", "cpu", 8, 2), ("lm", "cpu", 2, 2),
-                ("logreg", "gpu", 8, 2), ("logreg", "gpu", 16, 2), ("lm", "gpu", 2, 2)]
+        return [("logreg", "cpu", 8, 2), ("lm", "cpu", 2, 2), ("lm-zo", "cpu", 2, 2),
+                ("lm-zo-loop", "cpu", 2, 2),
+                ("logreg", "gpu", 8, 2), ("logreg", "gpu", 16, 2), ("lm", "gpu", 2, 2),
+                ("lm-zo", "gpu", 2, 2)]
     if quick:  # fits a few minutes on a GPU machine: fewer rounds, one lm size per device
         return [("logreg", kind, n, 3 if n < 100_000 else 2) for kind in ("cpu", "gpu")
-                for n in (10_000, 100_000)] + [("lm", "cpu", 100, 3), ("lm", "gpu", 1_000, 3)]
+                for n in (10_000, 100_000)] + [
+            ("lm", "cpu", 100, 3), ("lm", "gpu", 1_000, 3),
+            ("lm-zo", "cpu", 100, 3), ("lm-zo-loop", "cpu", 100, 2),
+            ("lm-zo", "gpu", 1_000, 3), ("lm-zo-loop", "gpu", 100, 2)]
     plan = [("logreg", kind, n, 5) for kind in ("cpu", "gpu") for n in (10_000, 100_000)]
-    return plan + [("lm", "cpu", 100, 4), ("lm", "gpu", 1_000, 4), ("lm", "gpu", 10_000, 4)]
+    return plan + [("lm", "cpu", 100, 4), ("lm", "gpu", 1_000, 4), ("lm", "gpu", 10_000, 4),
+                   ("lm-zo", "cpu", 100, 4), ("lm-zo-loop", "cpu", 100, 3),
+                   ("lm-zo", "gpu", 1_000, 4), ("lm-zo", "gpu", 10_000, 4),
+                   ("lm-zo-loop", "gpu", 100, 3)]
 
 
 def _host_bytes_needed(task: str, clients: int) -> int:
@@ -552,6 +578,19 @@ def _device_section(report: Report, args: Any, gpu: str, gpu_rows: str,
         "peak is the process tree's PSS; GPU peak is `torch.cuda.max_memory_allocated`. "
         "Only training moves to the GPU: the virtual clock, the aggregator and the codecs "
         "run on the CPU in every row.", after_tables=True)
+    for kind in ("cpu", "gpu"):  # the zeroth-order trainer, vectorised against the loop
+        vec = [r for r in rows if r["task"] == "lm-zo" and r["kind"] == kind]
+        loop = [r for r in rows if r["task"] == "lm-zo-loop" and r["kind"] == kind]
+        if vec and loop:
+            best = max(vec, key=lambda r: r["ups"])
+            report.note(
+                f"Zeroth-order clients on the {kind.upper()}: vectorised "
+                f"{best['ups']:,.0f} updates/s at {best['clients']:,} clients, each client's "
+                f"own ZOTrainer {loop[0]['ups']:,.0f} updates/s at {loop[0]['clients']:,}: "
+                f"{best['ups'] / loop[0]['ups']:.1f}x.", after_tables=True)
+    report.params["lm_zo"] = {"trainer": "zo", "codec": "seed", "lr": LM_ZO_LR,
+                              "zo_eps": 1e-3, "lm-zo": "executor vmap",
+                              "lm-zo-loop": "executor loop (each client's own ZOTrainer)"}
     if rows:
         _plot_devices(report, rows)
 
@@ -559,8 +598,8 @@ def _device_section(report: Report, args: Any, gpu: str, gpu_rows: str,
 def _plot_devices(report: Report, rows: list[dict[str, Any]]) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for (task, kind), marker in zip([(t, k) for t in ("logreg", "lm") for k in ("cpu", "gpu")],
-                                    "osD^", strict=True):
+    for (task, kind), marker in zip([(t, k) for t in ("logreg", "lm", "lm-zo", "lm-zo-loop")
+                                     for k in ("cpu", "gpu")], "osD^vP*x", strict=True):
         pts = sorted((r["clients"], r["ups"]) for r in rows
                      if r["task"] == task and r["kind"] == kind)
         if pts:
