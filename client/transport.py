@@ -29,7 +29,13 @@ from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols import murmura_pb2_grpc as pb_grpc
 from murmura.protocols.identity import NodeKey
 from murmura.protocols.pool import POOL_SCALARS_CODEC
-from murmura.protocols.tls import ClientTls, channel_credentials, is_loopback, spoken_protocol
+from murmura.protocols.tls import (
+    ClientTls,
+    channel_credentials,
+    handshake_failure,
+    is_loopback,
+    spoken_protocol,
+)
 
 if TYPE_CHECKING:
     from murmura.client.secagg import SecAggLink
@@ -223,6 +229,11 @@ class GrpcTransport(Transport):
             return TlsMismatch(f"the server at {where} is plaintext; drop --tls-ca (and "
                                f"--tls-cert/--tls-key; off loopback pass --insecure), or "
                                f"serve with --tls-cert/--tls-key")
+        if spoken == "tls" and self.tls is not None:  # both speak TLS: the handshake failed
+            why = handshake_failure(self.address, self.tls,
+                                    timeout_s=min(self.connect_timeout_s, 2.0))
+            if why is not None:
+                return TlsMismatch(why)
         return None
 
     def _unreachable(self, exc: grpc.RpcError) -> RemoteError:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import socket
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,7 @@ __all__ = [
     "ClientTls",
     "TlsError",
     "channel_credentials",
+    "handshake_failure",
     "is_loopback",
     "is_loopback_host",
     "make_ca",
@@ -194,6 +197,122 @@ def spoken_protocol(address: str, timeout_s: float = 1.0) -> str | None:
         return "tls" if "ALERT" in str(exc.reason or "").upper() else None
     except OSError:
         return None
+
+
+def handshake_failure(address: str, tls: ClientTls, timeout_s: float = 2.0) -> str | None:
+    """Why a TLS client with ``tls`` cannot connect to the TLS server at ``address``, in one
+    sentence that names the flag to change; None when a verified handshake succeeds (the
+    failure is elsewhere) or the server cannot be reached.
+
+    It repeats the handshake gRPC makes (the CA in ``tls.ca``, the client certificate if any,
+    the address's host checked against the server certificate's names, ALPN ``h2``) with
+    Python's ``ssl`` module, which, unlike a gRPC channel, says what failed: a server
+    certificate another CA signed, one issued for other names, an expired one, or a server
+    that wants a client certificate, or refuses the one it got.
+    """
+    target = _host_port(address)
+    if target is None:
+        return None
+    host = target[0]
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.set_alpn_protocols(["h2"])
+    try:
+        context.load_verify_locations(cafile=tls.ca)
+        if tls.cert:
+            context.load_cert_chain(tls.cert, tls.key)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        return f"the TLS files could not be loaded ({exc}); check --tls-ca/--tls-cert/--tls-key"
+    try:
+        with socket.create_connection(target, timeout=timeout_s) as sock, \
+                context.wrap_socket(sock, server_hostname=host) as conn:
+            # With TLS 1.3 the server checks the client's certificate after the client's
+            # side of the handshake is done: a server that refuses it (or its absence) closes
+            # the connection, where a willing one answers the HTTP/2 preface with SETTINGS.
+            conn.settimeout(timeout_s)
+            try:
+                conn.sendall(_H2_PREFACE)
+                closed = conn.recv(1) == b""
+            except TimeoutError:
+                closed = False
+            except (ssl.SSLError, ConnectionError):
+                closed = True
+        if not closed:
+            return None
+        if not tls.cert:
+            return (f"the server at {address[:80]} requires a client certificate (mutual "
+                    f"TLS): pass --tls-cert and --tls-key, signed by the CA it trusts (its "
+                    f"--client-ca)")
+        return (f"the server at {address[:80]} refused this client's certificate "
+                f"({tls.cert}): it is not signed by the CA the server trusts (its "
+                f"--client-ca), or has expired")
+    except ssl.SSLCertVerificationError as exc:
+        return _verify_failure(exc, address, host, tls, timeout_s)
+    except ssl.SSLError as exc:
+        reason = str(exc.reason or exc).upper()
+        if "CERTIFICATE_REQUIRED" in reason or ("HANDSHAKE_FAILURE" in reason
+                                                and not tls.cert):
+            return (f"the server at {address[:80]} requires a client certificate (mutual TLS): "
+                    f"pass --tls-cert and --tls-key, signed by the CA it trusts (its "
+                    f"--client-ca)")
+        if any(k in reason for k in ("UNKNOWN_CA", "BAD_CERTIFICATE", "DECRYPT_ERROR",
+                                     "CERTIFICATE_UNKNOWN", "ACCESS_DENIED")):
+            return (f"the server at {address[:80]} refused this client's certificate "
+                    f"({tls.cert}): it is not signed by the CA the server trusts (its "
+                    f"--client-ca), or has expired")
+        return None
+    except OSError:
+        return None
+
+
+def _verify_failure(exc: ssl.SSLCertVerificationError, address: str, host: str,
+                    tls: ClientTls, timeout_s: float) -> str:
+    """The sentence for a server certificate the client's CA does not verify."""
+    where = address[:80]
+    cert = _server_certificate(host, address, timeout_s)
+    names = ""
+    if cert is not None:
+        try:
+            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            listed = [str(v) for v in san.get_values_for_type(x509.DNSName)]
+            listed += [str(v) for v in san.get_values_for_type(x509.IPAddress)]
+            names = ", ".join(listed[:6])
+        except x509.ExtensionNotFound:
+            names = ""
+    code = getattr(exc, "verify_code", 0)
+    message = str(getattr(exc, "verify_message", "") or exc)
+    if code == 62 or "hostname mismatch" in message.lower() or "ip address mismatch" in \
+            message.lower():
+        return (f"the server's certificate at {where} is not issued for {host!r} (it names "
+                f"{names or 'other hosts'}): connect with one of those names, or issue the "
+                f"server a certificate for this one (murmura certs server --ca DIR --host "
+                f"{host} --out DIR)")
+    if code == 10 or "expired" in message.lower():
+        return f"the server's certificate at {where} has expired; issue it a new one"
+    issuer = ""
+    if cert is not None:
+        cn = cert.issuer.get_attributes_for_oid(NameOID.COMMON_NAME)
+        issuer = f" (it was issued by {str(cn[0].value)!r})" if cn else ""
+    return (f"the server's certificate at {where} is not signed by the CA in --tls-ca "
+            f"({tls.ca}){issuer}: pass the CA certificate that signed it "
+            f"(verification said: {message[:80]})")
+
+
+def _server_certificate(host: str, address: str, timeout_s: float) -> x509.Certificate | None:
+    """The server's certificate, read without verifying it (to name what it says)."""
+    target = _host_port(address)
+    if target is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection(target, timeout=timeout_s) as sock, \
+                context.wrap_socket(sock, server_hostname=host) as conn:
+            der = conn.getpeercert(binary_form=True)
+    except (OSError, ssl.SSLError):
+        return None
+    return x509.load_der_x509_certificate(der) if der else None
 
 
 # -- making certificates ----------------------------------------------------------------------

@@ -115,15 +115,34 @@ def test_tls_server_trains_signed_clients_and_refuses_plaintext(serve, pki) -> N
     assert all(rt.client_id.startswith("n-") for rt in runtimes)  # ephemeral keys' ids
     plaintext = refused_join(srv.address, None)  # named, not retried (tests/client)
     assert plaintext.status == "FAILED_PRECONDITION" and "speaks TLS" in plaintext.message
-    assert refused_join(srv.address, ClientTls(str(pki["evil_ca"]))).status in NO_CONNECTION
+    # another CA: named, with the flag to change and who issued the server's certificate
+    wrong_ca = refused_join(srv.address, ClientTls(str(pki["evil_ca"])))
+    assert wrong_ca.status == "FAILED_PRECONDITION"
+    assert "not signed by the CA in --tls-ca" in wrong_ca.message
+    assert str(pki["evil_ca"]) in wrong_ca.message
+
+
+def test_a_server_certificate_for_other_names_is_named(serve, pki) -> None:
+    make_server_cert(pki["root"] / "ca", pki["root"] / "elsewhere", ["example.org"])
+    srv = serve(tls_cert=str(pki["root"] / "elsewhere" / "server.crt"),
+                tls_key=str(pki["root"] / "elsewhere" / "server.key"))
+    err = refused_join(srv.address, ClientTls(str(pki["ca"])))
+    assert err.status == "FAILED_PRECONDITION"
+    assert "not issued for '127.0.0.1'" in err.message and "example.org" in err.message
+    assert srv.call(lambda: len(srv.core.sessions)) == 0
 
 
 def test_mutual_tls_refuses_clients_without_a_valid_certificate(serve, pki) -> None:
     srv = serve(tls_cert=str(pki["cert"]), tls_key=str(pki["key"]), client_ca=str(pki["ca"]))
     ca = str(pki["ca"])
-    assert refused_join(srv.address, ClientTls(ca)).status in NO_CONNECTION  # no certificate
+    missing = refused_join(srv.address, ClientTls(ca))  # no certificate: named
+    assert missing.status == "FAILED_PRECONDITION"
+    assert "requires a client certificate" in missing.message and "--tls-cert" in missing.message
     other = ClientTls(ca, str(pki["evil_cert"]), str(pki["evil_key"]))     # another CA's
-    assert refused_join(srv.address, other).status in NO_CONNECTION
+    refused = refused_join(srv.address, other)
+    assert refused.status == "FAILED_PRECONDITION"
+    assert "refused this client's certificate" in refused.message
+    assert str(pki["evil_cert"]) in refused.message
     assert srv.call(lambda: len(srv.core.sessions)) == 0
     runtimes = train_two_clients(srv, ClientTls(ca, str(pki["client_cert"]),
                                                 str(pki["client_key"])))
