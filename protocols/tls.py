@@ -155,6 +155,15 @@ def _host_port(address: str) -> tuple[str, int] | None:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _unverified() -> ssl.SSLContext:
+    """A TLS client context that verifies nothing (for probes that only look), ALPN h2."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    return context
+
+
 def spoken_protocol(address: str, timeout_s: float = 1.0) -> str | None:
     """``"tls"`` or ``"plaintext"``: what the gRPC server at ``address`` speaks, probed on
     two short-lived TCP connections; ``"refused"`` when nothing listens there; None if it
@@ -165,9 +174,6 @@ def spoken_protocol(address: str, timeout_s: float = 1.0) -> str | None:
     mismatch and the flag that fixes it. It proves nothing about certificates: the TLS
     handshake here verifies none.
     """
-    import socket
-    import ssl
-
     target = _host_port(address)
     if target is None:
         return None
@@ -185,13 +191,9 @@ def spoken_protocol(address: str, timeout_s: float = 1.0) -> str | None:
             return "plaintext"
     except OSError:  # closed or silent at a plaintext preface: perhaps TLS
         pass
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"])
     try:
         with socket.create_connection(target, timeout=timeout_s) as sock, \
-                context.wrap_socket(sock, server_hostname=target[0]):
+                _unverified().wrap_socket(sock, server_hostname=target[0]):
             return "tls"
     except ssl.SSLError as exc:  # a TLS alert (e.g. mutual TLS wants a certificate): TLS
         return "tls" if "ALERT" in str(exc.reason or "").upper() else None
@@ -302,13 +304,9 @@ def _server_certificate(host: str, address: str, timeout_s: float) -> x509.Certi
     target = _host_port(address)
     if target is None:
         return None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"])
     try:
         with socket.create_connection(target, timeout=timeout_s) as sock, \
-                context.wrap_socket(sock, server_hostname=host) as conn:
+                _unverified().wrap_socket(sock, server_hostname=host) as conn:
             der = conn.getpeercert(binary_form=True)
     except (OSError, ssl.SSLError):
         return None
