@@ -272,32 +272,39 @@ class Tier:
                 release_both()
                 raise
             self._ref_users[reference_version] = self._ref_users.get(reference_version, 0) + 1
+        uses_reference = ref_arg is not None
+
+        def drop_reference() -> None:
+            if uses_reference:
+                self._drop_reference_user(reference_version)
+
+        def failed() -> None:
+            release_both()
+            drop_reference()
         job = asyncio.ensure_future(self.backend.run(
             decode_job, self.decoder, header.codec, lease.ref(0, header.payload_bytes), ref_arg,
             out_ref))
-        try:
-            meta = await asyncio.shield(job)
-        except asyncio.CancelledError:
-            # The client went away; the worker may still be writing into the slabs, so they
-            # go back to the pool only once its job has ended.
-            def later(_: Any) -> None:
-                release_both()
-                if ref_arg is not None:
-                    self._drop_reference_user(reference_version)
-            job.add_done_callback(later)
-            ref_arg = None
-            raise
-        except QueueFull as exc:
-            release_both()
-            raise self._busy(str(exc)) from None
-        except BaseException:
-            release_both()
-            raise
-        finally:
-            if ref_arg is not None:
-                self._drop_reference_user(reference_version)
+        meta = await self._job(job, failed)
+        drop_reference()
         self._count(t0)
         return self._rebuild(meta, lease, out, header.payload_bytes), release_both
+
+    async def _job(self, job: asyncio.Future[Any], failed: Callable[[], None]) -> Any:
+        """A worker's job for one push, awaited; ``failed`` gives back what the job uses (its
+        slabs, a reference version) if it does not succeed: at once, except when the client
+        went away (cancelled), where the worker may still be reading or writing them, so
+        only once its job has ended."""
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(lambda _: failed())
+            raise
+        except QueueFull as exc:
+            failed()
+            raise self._busy(str(exc)) from None
+        except BaseException:
+            failed()
+            raise
 
     async def _check(self, header: UpdateHeader, lease: Slab, t0: float
                      ) -> tuple[Decoded, Callable[[], None]]:
@@ -307,23 +314,12 @@ class Tier:
         ref = lease.ref(0, header.payload_bytes)
         job = asyncio.ensure_future(self.backend.run(check_payload_job, self.decoder,
                                                      header.codec, ref))
-        try:
-            meta = await asyncio.shield(job)
-        except asyncio.CancelledError:
-            job.add_done_callback(lambda _: slabs.release(lease))  # the worker may still read
-            raise
-        except QueueFull as exc:
+        def release() -> None:
             slabs.release(lease)
-            raise self._busy(str(exc)) from None
-        except BaseException:
-            slabs.release(lease)
-            raise
+        meta = await self._job(job, release)
         self._count(t0)
         decoded = Decoded(None, max_abs=meta.max_abs, payload_sha256=meta.payload_sha256,
                           shared=ref, codec=header.codec)
-
-        def release() -> None:
-            slabs.release(lease)
         return decoded, release
 
     def decode_inline(self, header: UpdateHeader, lease: ReceiveBuffer | Slab,
