@@ -585,5 +585,3 @@ def check_metrics_address(value: str, what: str = "metrics_address") -> None:
 
 #: The flat namespace (a TypeError at import if two fields share a name).
 _FLAT = FlatKeys(ServerConfig, _GROUPS)
-#: The old private name; cli/validate.py imports it from here.
-_parse_option = parse_option
