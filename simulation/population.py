@@ -89,16 +89,11 @@ def choose_executor(sim: SimulationConfig, data: SimulationData,
         # where one client at a time leaves the device idle between kernel launches. On the
         # CPU, auto keeps each client's own trainer (its step log is the deployed client's
         # bit for bit; vmap's matches it to float32 rounding).
-        try:
-            ex = VectorisedExecutor(factory, train, shares, chunk_size=sim.chunk_size,
-                                    device=device)
-            return ex, f"the zeroth-order trainer vectorised: {ex.probe(settings)}"
-        except VectorisationError as exc:
-            if sim.executor == "vmap" or sim.vectorise == "on":
-                raise ValueError(f"zeroth-order training can't be vectorised for this model: "
-                                 f"{exc}") from exc
-            log.warning("vectorised zeroth-order training is not possible for this model "
-                        "(%s); each client runs its own trainer on %s", exc, device)
+        ex, why = _vectorised(data, sim, device, settings, "zeroth-order training")
+        if ex is not None:
+            return ex, f"the zeroth-order trainer vectorised: {why}"
+        log.warning("vectorised zeroth-order training is not possible for this model (%s); "
+                    "each client runs its own trainer on %s", why, device)
     if settings.trainer == "zo" or own_train:
         what = "an app's own train() or loss()" if own_train else "the zeroth-order trainer"
         check_own_trainer_path(what, sim.executor, sim.vectorise, vectorised=zo)
@@ -124,24 +119,33 @@ def choose_executor(sim: SimulationConfig, data: SimulationData,
             return PoolExecutor(factory, train, shares, workers=workers), note
         return LoopExecutor(factory, train, shares, device=device), note
     if sim.vectorise != "off":
-        try:
-            ex = VectorisedExecutor(factory, train, shares, chunk_size=sim.chunk_size,
-                                    device=device)
-            return ex, ex.probe(settings)
-        except VectorisationError as exc:
-            if sim.vectorise == "on" or sim.executor == "vmap":
-                asked = "vectorise='on'" if sim.vectorise == "on" else "executor='vmap'"
-                raise ValueError(f"{asked} but the model can't be vectorised: {exc}") from exc
-            pool = workers > 1 and on_cpu
-            log.warning("vectorised training is not possible for this model (%s); falling "
-                        "back to %s", exc, "a process pool" if pool
-                        else f"a plain loop on {device}")
-            note = f"vmap unavailable: {exc}"
+        ex, why = _vectorised(data, sim, device, settings, "the model")
+        if ex is not None:
+            return ex, why
+        pool = workers > 1 and on_cpu
+        log.warning("vectorised training is not possible for this model (%s); falling "
+                    "back to %s", why, "a process pool" if pool else f"a plain loop on {device}")
+        note = f"vmap unavailable: {why}"
     else:
         note = "vectorise='off'"
     if workers > 1 and on_cpu:
         return PoolExecutor(factory, train, shares, workers=workers), note
     return LoopExecutor(factory, train, shares, device=device), note
+
+
+def _vectorised(data: SimulationData, sim: SimulationConfig, device: str,
+                settings: TaskSettings, what: str) -> tuple[VectorisedExecutor | None, str]:
+    """The vectorised executor and its probe's note, or (None, why) when the model can't be
+    vectorised; a ValueError instead when ``sim`` insists on vmap."""
+    try:
+        ex = VectorisedExecutor(data.task.model_factory, data.train, data.shares,
+                                chunk_size=sim.chunk_size, device=device)
+        return ex, ex.probe(settings)
+    except VectorisationError as exc:
+        if sim.vectorise == "on" or sim.executor == "vmap":
+            asked = "vectorise='on'" if sim.vectorise == "on" else "executor='vmap'"
+            raise ValueError(f"{asked} but {what} can't be vectorised: {exc}") from exc
+        return None, str(exc)
 
 
 __all__ = ["availability", "choose_executor", "device_population"]

@@ -165,6 +165,9 @@ class VectorisedExecutor(Executor):
         self._y = _upload(train.y, self.device, "y")
         self._step = vmap(grad_and_value(self._loss), in_dims=(0, 0, 0, 0, 0),
                           randomness="different")
+        #: the zeroth-order path's vmapped losses, built on its first chunk (an eval() copy
+        #: of the module: simulation/vectorised_zo.py)
+        self.zo_losses: Callable[..., torch.Tensor] | None = None
 
     # -- structure -----------------------------------------------------------------------
 

@@ -54,7 +54,9 @@ def run_zo_chunk(ex: VectorisedExecutor, jobs: Sequence[Job],
     eps = float(np.float32(settings.zo_eps))
     dev = ex.device
     theta = ex.stack_params(jobs)  # (c, size), a fresh block: each row one client's model
-    loss_of = _losses(ex)
+    loss_of = ex.zo_losses
+    if loss_of is None:  # once per executor: the module copy is not remade per chunk
+        loss_of = ex.zo_losses = _losses(ex)
     loss_sum, g_abs = [0.0] * c, [0.0] * c
     kept, skipped = [0] * c, [0] * c
     # coefficient columns: every row moves by its own multiple of its own z
