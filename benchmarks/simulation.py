@@ -70,9 +70,10 @@ def murmura_worker(clients: int, rounds: int, device: str = "",
     from murmura.simulation import SimulationConfig, simulate
     from murmura.tasks import TaskConfig
 
-    if task_name.startswith("lm"):  # lm, lm-zo (vmap) or lm-zo-loop
+    if task_name.startswith("lm"):  # lm, lm-bf16, lm-zo (vmap) or lm-zo-loop
         return lm_worker(clients, rounds, device, zo=task_name.startswith("lm-zo"),
-                         executor="loop" if task_name.endswith("-loop") else "vmap")
+                         executor="loop" if task_name.endswith("-loop") else "vmap",
+                         amp="bf16" if task_name == "lm-bf16" else "off")
 
     stamps: list[float] = []
     cpu: list[float] = []  # this process's CPU seconds (every thread) at each round's end
@@ -102,11 +103,12 @@ def murmura_worker(clients: int, rounds: int, device: str = "",
 
 
 def lm_worker(clients: int, rounds: int, device: str, *, zo: bool = False,
-              executor: str = "vmap") -> dict[str, Any]:
+              executor: str = "vmap", amp: str = "off") -> dict[str, Any]:
     """A device row of the ``lm`` task: gpt1m, LM_WINDOWS windows per client, no central
     evaluation (the round is the clients' training and the aggregator's work); first-order
-    and vectorised, or (``zo``) the zeroth-order trainer sending seed step logs, vectorised
-    or (``executor='loop'``) one client's own ZOTrainer after another."""
+    and vectorised (``amp='bf16'``: under bfloat16 autocast), or (``zo``) the zeroth-order
+    trainer sending seed step logs, vectorised or (``executor='loop'``) one client's own
+    ZOTrainer after another."""
     import numpy as np
 
     from murmura.protocols import TaskSettings
@@ -130,7 +132,7 @@ def lm_worker(clients: int, rounds: int, device: str, *, zo: bool = False,
     stamps: list[float] = []
     cpu: list[float] = []
     sim = SimulationConfig(clients=clients, device=device, chunk_size=0, out="",
-                           executor=executor if zo else "auto", workers=1)
+                           executor=executor if zo else "auto", workers=1, amp=amp)
     t0, c0 = time.perf_counter(), time.process_time()
 
     def mark(row: dict[str, Any]) -> None:
@@ -152,6 +154,7 @@ def _placement(stats: dict[str, Any]) -> dict[str, Any]:
 
     gpu = stats["device"].startswith("cuda")
     return {"device": stats["device"], "chunk_size": stats["chunk_size"],
+            "train_wall_s": stats.get("train_wall_s"),
             "execution": stats["execution"],
             "gpu_name": torch.cuda.get_device_name() if gpu else None,
             "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if gpu else None}
@@ -464,19 +467,21 @@ def _device_plan(quick: bool, smoke: bool) -> list[tuple[str, str, int, int]]:
     """(task, device kind, clients, rounds) of the device section; ``device kind`` is cpu or
     gpu (run only with a GPU)."""
     # zeroth-order rows: vectorised (lm-zo) against each client's own trainer (lm-zo-loop)
+    # lm-bf16: the lm rows under bfloat16 autocast (SimulationConfig.amp)
     if smoke:
-        return [("logreg", "cpu", 8, 2), ("lm", "cpu", 2, 2), ("lm-zo", "cpu", 2, 2),
-                ("lm-zo-loop", "cpu", 2, 2),
+        return [("logreg", "cpu", 8, 2), ("lm", "cpu", 2, 2), ("lm-bf16", "cpu", 2, 2),
+                ("lm-zo", "cpu", 2, 2), ("lm-zo-loop", "cpu", 2, 2),
                 ("logreg", "gpu", 8, 2), ("logreg", "gpu", 16, 2), ("lm", "gpu", 2, 2),
-                ("lm-zo", "gpu", 2, 2)]
+                ("lm-bf16", "gpu", 2, 2), ("lm-zo", "gpu", 2, 2)]
     if quick:  # fits a few minutes on a GPU machine: fewer rounds, one lm size per device
         return [("logreg", kind, n, 3 if n < 100_000 else 2) for kind in ("cpu", "gpu")
                 for n in (10_000, 100_000)] + [
-            ("lm", "cpu", 100, 3), ("lm", "gpu", 1_000, 3),
+            ("lm", "cpu", 100, 3), ("lm", "gpu", 1_000, 3), ("lm-bf16", "gpu", 1_000, 3),
             ("lm-zo", "cpu", 100, 3), ("lm-zo-loop", "cpu", 100, 2),
             ("lm-zo", "gpu", 1_000, 3), ("lm-zo-loop", "gpu", 100, 2)]
     plan = [("logreg", kind, n, 5) for kind in ("cpu", "gpu") for n in (10_000, 100_000)]
     return plan + [("lm", "cpu", 100, 4), ("lm", "gpu", 1_000, 4), ("lm", "gpu", 10_000, 4),
+                   ("lm-bf16", "gpu", 1_000, 4), ("lm-bf16", "gpu", 10_000, 4),
                    ("lm-zo", "cpu", 100, 4), ("lm-zo-loop", "cpu", 100, 3),
                    ("lm-zo", "gpu", 1_000, 4), ("lm-zo", "gpu", 10_000, 4),
                    ("lm-zo-loop", "gpu", 100, 3)]
@@ -521,6 +526,8 @@ def _measure_devices(report: Report, args: Any, gpu: str) -> list[dict[str, Any]
         rows.append({"task": task, "device": m["device"], "clients": clients,
                      "round_s": m_round, "round_cpu_s": steady(m["rounds_cpu_s"]),
                      "ups": clients / m_round, "peak_mb": m["peak_mb"],
+                     "train_share": (m["train_wall_s"] / m["total_s"]
+                                     if m.get("train_wall_s") is not None else None),
                      "gpu_peak_mb": m["gpu_peak_mb"], "chunk_size": m["chunk_size"],
                      "acc": m["accuracy"], "execution": m["execution"],
                      "rounds_s": m["rounds_s"], "kind": kind})
@@ -549,7 +556,9 @@ def _device_section(report: Report, args: Any, gpu: str, gpu_rows: str,
     cols = [Column("task", "task"), Column("device", "device"),
             Column("clients", "clients", "{:,}"), Column("round_s", "s/round", "{:.3f}"),
             Column("round_cpu_s", "CPU s/round", "{:.3f}"),
-            Column("ups", "updates/s", "{:,.0f}"), Column("peak_mb", "host peak MB", "{:,.0f}"),
+            Column("ups", "updates/s", "{:,.0f}"),
+            Column("train_share", "training share", "{:.0%}"),
+            Column("peak_mb", "host peak MB", "{:,.0f}"),
             Column("gpu_peak_mb", "GPU peak MB", "{:,.0f}"),
             Column("chunk_size", "chunk", "{:,}"), Column("acc", "acc", "{:.3f}")]
     report.table("Simulation on each device (Murmura, vectorised, chunk size auto)", cols, rows)
@@ -573,11 +582,25 @@ def _device_section(report: Report, args: Any, gpu: str, gpu_rows: str,
         "process. logreg: the task above, every client every round, central evaluation "
         f"after each round. lm: {LM_MODEL} on the `lm` task's character windows, "
         f"{LM_WINDOWS} windows per client, {LM_STEPS} local steps of {LM_BATCH} windows "
-        f"(lr {LM_LR}), every client every round, no central evaluation. Round time is the "
+        f"(lr {LM_LR}), every client every round, no central evaluation; lm-bf16 is lm "
+        "under bfloat16 autocast (`SimulationConfig.amp`). Training share is the "
+        "executor's wall time over the run's (the rest is the host's orchestration: events, "
+        "aggregator, codecs, evaluation). Round time is the "
         "median of the rounds after the first; CPU s/round is the process's CPU time; host "
         "peak is the process tree's PSS; GPU peak is `torch.cuda.max_memory_allocated`. "
         "Only training moves to the GPU: the virtual clock, the aggregator and the codecs "
         "run on the CPU in every row.", after_tables=True)
+    for kind in ("cpu", "gpu"):  # bfloat16 autocast against float32, same size and device
+        for half in (r for r in rows if r["task"] == "lm-bf16" and r["kind"] == kind):
+            full = [r for r in rows if r["task"] == "lm" and r["kind"] == kind
+                    and r["clients"] == half["clients"]]
+            if full:
+                report.note(
+                    f"Mixed precision ({kind.upper()}, {half['clients']:,} lm clients): bf16 "
+                    f"autocast {half['round_s']:.3f} s per round against float32 "
+                    f"{full[0]['round_s']:.3f} s ({full[0]['round_s'] / half['round_s']:.2f}x); "
+                    f"training {half['train_share']:.0%} and {full[0]['train_share']:.0%} of "
+                    "the run's wall time.", after_tables=True)
     for kind in ("cpu", "gpu"):  # the zeroth-order trainer, vectorised against the loop
         vec = [r for r in rows if r["task"] == "lm-zo" and r["kind"] == kind]
         loop = [r for r in rows if r["task"] == "lm-zo-loop" and r["kind"] == kind]

@@ -270,6 +270,8 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "vectorise": "train clients with torch.func.vmap: {vectorise}",
         "workers": "pool processes or Ray actors (0: one per core)",
         "chunk_size": "clients per vmapped batch",
+        "amp": "mixed precision of first-order client training: off (float32) or bf16 "
+               "(bfloat16 autocast; parameters and losses stay float32)",
         "threads": "torch threads in this process (0: one per core)",
         "samples_per_client": "synthetic task: generate this many examples per client (0: "
                               "the task's own data)",

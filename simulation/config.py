@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 VECTORISE = ("auto", "on", "off")
 EXECUTORS = ("auto", "vmap", "loop", "pool", "ray")
 DROPOUT = ("silent", "leave")
+#: Mixed precision of the simulated clients' first-order training (``SimulationConfig.amp``).
+AMP = ("off", "bf16")
+#: Why zeroth-order clients refuse ``amp='bf16'``.
+ZO_AMP = ("amp='bf16' applies to first-order training: a zeroth-order client's gradient "
+          "estimate is a loss difference at zo_eps, below bfloat16's resolution (use amp='off')")
 #: Where the virtual clients' training runs (``cuda:N`` names one GPU of several).
 DEVICES = ("cpu", "cuda", "cuda:N", "mps", "auto")
 #: ``chunk_size`` on the CPU, and there for ``chunk_size = 0`` (auto).
@@ -91,6 +96,14 @@ class SimulationConfig:
     stay on the CPU. ``chunk_size`` is the vectorised path's clients per batch; ``0`` (auto)
     sizes it from the free device memory and one client's footprint (1024 on the CPU). The
     process pool is CPU processes and refuses an accelerator (use the loop or vmap).
+
+    Precision: ``amp`` ``off`` (the default) trains in float32, so every device computes the
+    same updates up to rounding; ``bf16`` runs first-order clients' forward and backward
+    passes under bfloat16 autocast (the vectorised executor, and the client's own
+    ``TorchTrainer`` in the loop and the pool) while parameters, momentum and losses stay
+    float32. It pays where matrix products dominate a step (a language model on a GPU), not
+    for small models. Zeroth-order clients refuse it: their gradient estimates are loss
+    differences at ``zo_eps``, below bfloat16's resolution.
     """
 
     clients: int = 100
@@ -124,6 +137,10 @@ class SimulationConfig:
     device: str = field(default="cpu", metadata={"help": (
         "where the clients train: cpu, cuda, cuda:N, mps, or auto (cuda when available, "
         "else cpu); the virtual clock, availability and the aggregator stay on the CPU")})
+    amp: str = field(default="off", metadata={"help": (
+        "mixed precision of first-order client training: off (float32, the same arithmetic "
+        "on every device) or bf16 (bfloat16 autocast; parameters, momentum and losses stay "
+        "float32)")})
     threads: int = 1               # torch threads in this process (0: one per core)
     # data (the task's own data unless one of these is set)
     samples_per_client: int = 0    # synthetic task: generate this many examples per client
@@ -189,6 +206,11 @@ class SimulationConfig:
             raise ValueError("workers and threads must be >= 0")
         if self.chunk_size < 0:
             raise ValueError(f"chunk_size must be >= 1, or 0 (auto), got {self.chunk_size}")
+        if self.amp not in AMP:
+            raise ValueError(f"amp must be one of {AMP}, got {self.amp!r}")
+        if self.amp != "off" and self.executor == "ray":
+            raise ValueError(f"amp={self.amp!r} runs on this machine's executors (loop, pool, "
+                             f"vmap); the Ray executor trains in float32")
         # a Ray cluster's GPUs need not be on this machine (the driver's)
         check_device(self.device, here=not (self.executor == "ray" and self.ray_address))
         if self.executor == "pool" and self.device not in ("cpu", "auto"):
@@ -210,5 +232,5 @@ class SimulationConfig:
             raise ValueError(f"max_time_s must be >= 0, got {self.max_time_s}")
 
 
-__all__ = ["CPU_CHUNK", "DEVICES", "DROPOUT", "EXECUTORS", "VECTORISE", "SimulationConfig",
-           "check_device", "resolve_device"]
+__all__ = ["AMP", "CPU_CHUNK", "DEVICES", "DROPOUT", "EXECUTORS", "VECTORISE", "SimulationConfig",
+           "ZO_AMP", "check_device", "resolve_device"]

@@ -9,7 +9,8 @@ vectorised executor (:mod:`murmura.simulation.vectorised`) trains many clients a
 On an accelerator (``device='cuda'``) the loop builds each trainer on that device, as a
 ``murmura client --device cuda`` does (the zeroth-order trainer's fused CUDA kernels included),
 in float32 (``amp='off'``: a client's autocast default on CUDA is bf16; the simulator keeps
-the CPU's arithmetic, so a GPU run's updates match a CPU run's within float32 rounding).
+the CPU's arithmetic, so a GPU run's updates match a CPU run's within float32 rounding) unless
+the simulation asks for ``amp='bf16'`` (``SimulationConfig.amp``).
 The pool refuses one: its workers are forked CPU processes, and forked children can't share the
 parent's CUDA context; use the loop (or vmap) there.
 """
@@ -95,10 +96,11 @@ class LoopExecutor(Executor):
 
     def __init__(self, model_factory: ModelFactory, train: ArrayDataset,
                  shares: Sequence[Index], *, task: Task | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", amp: str = "off") -> None:
         from murmura.simulation.config import resolve_device
 
         self.device_name = resolve_device(device)
+        self.amp = amp  # the first-order trainer's (TorchTrainer's amp)
         self.model = model_factory()
         self.train = train
         self.shares = shares
@@ -132,9 +134,9 @@ class LoopExecutor(Executor):
             trainer.data = data
         elif self._loss is not None:
             trainer = TorchTrainer(self.model, data, device=self.device_name,
-                                   loss_fn=self._loss, amp="off")
+                                   loss_fn=self._loss, amp=self.amp)
         else:
-            trainer = TorchTrainer(self.model, data, device=self.device_name, amp="off")
+            trainer = TorchTrainer(self.model, data, device=self.device_name, amp=self.amp)
         result = trainer.train(job.params, settings, seed=job.seed)
         assert result.params is not None
         return JobResult(result.params, result.num_examples, dict(result.metrics),
@@ -145,7 +147,8 @@ class LoopExecutor(Executor):
 
     def describe(self) -> str:
         where = "" if self.device_name == "cpu" else f" on {self.device_name}"
-        return f"loop{where} (the client's trainer, one client at a time)"
+        amp = ", bf16 autocast" if self.amp == "bf16" else ""
+        return f"loop{where} (the client's trainer, one client at a time{amp})"
 
 
 # -- process pool ----------------------------------------------------------------------------
@@ -154,10 +157,11 @@ _WORKER: LoopExecutor | None = None
 
 
 def _init_worker(model_factory: ModelFactory, train: ArrayDataset,
-                 shares: Sequence[Index], threads: int, task: Task | None) -> None:
+                 shares: Sequence[Index], threads: int, task: Task | None,
+                 amp: str = "off") -> None:
     global _WORKER
     torch.set_num_threads(threads)
-    _WORKER = LoopExecutor(model_factory, train, shares, task=task)
+    _WORKER = LoopExecutor(model_factory, train, shares, task=task, amp=amp)
 
 
 def _run_in_worker(batch: list[tuple[int, int, int]], vectors: dict[int, FlatVector],
@@ -179,7 +183,7 @@ class PoolExecutor(Executor):
 
     def __init__(self, model_factory: ModelFactory, train: ArrayDataset,
                  shares: Sequence[Index], *, workers: int, threads_per_worker: int = 1,
-                 task: Task | None = None, device: str = "cpu") -> None:
+                 task: Task | None = None, device: str = "cpu", amp: str = "off") -> None:
         if workers < 2:
             raise ValueError(f"a process pool needs at least 2 workers, got {workers}")
         if device != "cpu":
@@ -192,7 +196,8 @@ class PoolExecutor(Executor):
         ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
         self._pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                                          initargs=(model_factory, train, shares,
-                                                   threads_per_worker, task))
+                                                   threads_per_worker, task, amp))
+        self.amp = amp
 
     def run(self, jobs: Sequence[Job], settings: TaskSettings) -> list[JobResult]:
         if not jobs:
@@ -216,8 +221,9 @@ class PoolExecutor(Executor):
         return results
 
     def describe(self) -> str:
+        amp = ", bf16 autocast" if self.amp == "bf16" else ""
         return (f"pool ({self.workers} worker processes running the client's trainer, 1 "
-                f"thread each)")
+                f"thread each{amp})")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

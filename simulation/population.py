@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from murmura.protocols import TaskSettings
-from murmura.simulation.config import SimulationConfig, resolve_device
+from murmura.simulation.config import ZO_AMP, SimulationConfig, resolve_device
 from murmura.simulation.data import SimulationData
 from murmura.simulation.devices import (
     AlwaysOn,
@@ -30,6 +30,7 @@ from murmura.simulation.execution import (
 )
 from murmura.simulation.ray_executor import RayExecutor
 from murmura.simulation.vectorised import VectorisationError, VectorisedExecutor
+from murmura.tasks.app import AppTask
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,12 @@ def choose_executor(sim: SimulationConfig, data: SimulationData,
     """
     factory, train, shares = data.task.model_factory, data.train, data.shares
     workers = sim.workers or default_workers()
+    amp = sim.amp
+    if amp != "off" and settings.trainer == "zo":
+        raise ValueError(ZO_AMP)
+    if amp != "off" and isinstance(data.task, AppTask) and data.task.app.fn("train"):
+        raise ValueError(f"amp={amp!r} applies to Murmura's trainer; an app's own train() "
+                         f"sets its own precision (use amp='off')")
     if sim.executor == "pool":
         device = "cpu"
     elif sim.executor == "ray" and sim.ray_address and sim.device != "auto":
@@ -99,8 +106,10 @@ def choose_executor(sim: SimulationConfig, data: SimulationData,
         check_own_trainer_path(what, sim.executor, sim.vectorise, vectorised=zo)
         note = f"{what}: each client's own trainer"
         if sim.executor == "pool" or (sim.executor != "loop" and workers > 1 and on_cpu):
-            return PoolExecutor(factory, train, shares, workers=workers, task=data.task), note
-        return LoopExecutor(factory, train, shares, task=data.task, device=device), note
+            return PoolExecutor(factory, train, shares, workers=workers, task=data.task,
+                                amp=amp), note
+        return LoopExecutor(factory, train, shares, task=data.task, device=device,
+                            amp=amp), note
     if sim.executor in ("loop", "pool", "ray"):
         note = f"executor={sim.executor!r}"
         if sim.executor == "ray":
@@ -116,8 +125,8 @@ def choose_executor(sim: SimulationConfig, data: SimulationData,
                                workers=sim.workers, device=device, vectorise=vectorise,
                                chunk_size=sim.chunk_size), note
         if sim.executor == "pool":
-            return PoolExecutor(factory, train, shares, workers=workers), note
-        return LoopExecutor(factory, train, shares, device=device), note
+            return PoolExecutor(factory, train, shares, workers=workers, amp=amp), note
+        return LoopExecutor(factory, train, shares, device=device, amp=amp), note
     if sim.vectorise != "off":
         ex, why = _vectorised(data, sim, device, settings, "the model")
         if ex is not None:
@@ -129,8 +138,8 @@ def choose_executor(sim: SimulationConfig, data: SimulationData,
     else:
         note = "vectorise='off'"
     if workers > 1 and on_cpu:
-        return PoolExecutor(factory, train, shares, workers=workers), note
-    return LoopExecutor(factory, train, shares, device=device), note
+        return PoolExecutor(factory, train, shares, workers=workers, amp=amp), note
+    return LoopExecutor(factory, train, shares, device=device, amp=amp), note
 
 
 def _vectorised(data: SimulationData, sim: SimulationConfig, device: str,
@@ -139,7 +148,7 @@ def _vectorised(data: SimulationData, sim: SimulationConfig, device: str,
     vectorised; a ValueError instead when ``sim`` insists on vmap."""
     try:
         ex = VectorisedExecutor(data.task.model_factory, data.train, data.shares,
-                                chunk_size=sim.chunk_size, device=device)
+                                chunk_size=sim.chunk_size, device=device, amp=sim.amp)
         return ex, ex.probe(settings)
     except VectorisationError as exc:
         if sim.vectorise == "on" or sim.executor == "vmap":

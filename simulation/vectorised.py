@@ -51,6 +51,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -61,7 +62,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from murmura.protocols import ModelSpec, TaskSettings
-from murmura.simulation.config import CPU_CHUNK, resolve_device
+from murmura.simulation.config import CPU_CHUNK, ZO_AMP, resolve_device
 from murmura.simulation.execution import Executor, Index, Job, JobResult, ModelFactory
 from murmura.simulation.schedules import (
     ChunkSchedule,
@@ -86,6 +87,12 @@ AUTO_MEMORY_FRACTION = 0.5
 #: ``chunk_size=0`` on CUDA: never more clients per chunk than this (larger chunks only make
 #: the host-side schedule arrays bigger; a GPU is busy long before).
 MAX_AUTO_CHUNK = 1 << 16
+#: The probe's relative tolerance with bf16 autocast (against the float32 trainer): two steps
+#: of bfloat16 products (8 significant bits) move the parameters by about 1e-3 of their scale.
+AMP_TOLERANCE = 1e-2
+#: Read-back blocks kept in pinned (page-locked) host memory, in bytes, and blocks kept at all.
+MAX_PINNED_BYTES = 8 << 30
+MAX_HOST_BLOCKS = 256
 
 
 class VectorisationError(RuntimeError):
@@ -121,6 +128,10 @@ class VectorisedExecutor(Executor):
     device memory (``memory_fraction`` of it) and one client's footprint
     (:meth:`client_footprint`) at the first batch size it sees, elsewhere
     :data:`~murmura.simulation.config.CPU_CHUNK`.
+
+    ``amp='bf16'`` runs each step's forward and backward passes under bfloat16 autocast; the
+    stacked parameters, their gradients, momentum and the losses stay float32 (the trainer's
+    ``amp='bf16'``). Zeroth-order chunks refuse it (see ``SimulationConfig.amp``).
     """
 
     path = "vmap"
@@ -129,7 +140,9 @@ class VectorisedExecutor(Executor):
                  shares: Sequence[Index], *, chunk_size: int = CPU_CHUNK,
                  loss: PerSampleLoss = _cross_entropy, weight_decay: float = 0.0,
                  max_grad_norm: float = 0.0, device: str | torch.device = "cpu",
-                 memory_fraction: float = AUTO_MEMORY_FRACTION) -> None:
+                 memory_fraction: float = AUTO_MEMORY_FRACTION, amp: str = "off") -> None:
+        if amp not in ("off", "bf16"):
+            raise ValueError(f"amp must be 'off' or 'bf16', got {amp!r}")
         if chunk_size < 0:
             raise ValueError(f"chunk_size must be >= 1, or 0 (auto), got {chunk_size}")
         if weight_decay < 0 or max_grad_norm < 0:
@@ -138,6 +151,8 @@ class VectorisedExecutor(Executor):
             raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction}")
         self.device = _torch_device(device)
         self.device_name = str(self.device)
+        #: bfloat16 autocast around the forward and backward passes, or None (float32)
+        self.amp = torch.bfloat16 if amp == "bf16" else None
         self.model_factory = model_factory
         self.model = model_factory()
         self.model.train()
@@ -165,6 +180,8 @@ class VectorisedExecutor(Executor):
         self._y = _upload(train.y, self.device, "y")
         self._step = vmap(grad_and_value(self._loss), in_dims=(0, 0, 0, 0, 0),
                           randomness="different")
+        #: where trained chunks land on the host (pinned on CUDA), reused from chunk to chunk
+        self._host = HostBlocks(pin=self.device.type == "cuda")
         #: the zeroth-order path's vmapped losses, built on its first chunk (an eval() copy
         #: of the module: simulation/vectorised_zo.py)
         self.zo_losses: Callable[..., torch.Tensor] | None = None
@@ -189,8 +206,10 @@ class VectorisedExecutor(Executor):
 
     def _loss(self, params: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
               x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = functional_call(self.module, (params, state), (x,))
-        per = self.loss(out, y)
+        with torch.autocast(self.device.type, dtype=self.amp or torch.float32,
+                            enabled=self.amp is not None):
+            out = functional_call(self.module, (params, state), (x,))
+        per = self.loss(out.float(), y)  # the loss in float32, as autocast's own policy has it
         return (per * mask).sum() / mask.sum().clamp(min=1.0)
 
     def describe(self) -> str:
@@ -201,8 +220,9 @@ class VectorisedExecutor(Executor):
             size = f"up to {self.chunk_size} clients (auto{self.sizing})"
         else:
             size = "sized automatically at the first batch"
+        amp = ", bf16 autocast" if self.amp is not None else ""
         return (f"vmap on {self.device_name} (torch.func.vmap over stacked parameters, chunks "
-                f"of {size}{grouped})")
+                f"of {size}{grouped}{amp})")
 
     # -- chunk size ----------------------------------------------------------------------
 
@@ -325,6 +345,8 @@ class VectorisedExecutor(Executor):
 
     def _run_chunk(self, jobs: Sequence[Job], settings: TaskSettings) -> list[JobResult]:
         if settings.trainer == "zo":
+            if self.amp is not None:
+                raise ValueError(ZO_AMP)
             return run_zo_chunk(self, jobs, settings)
         c = len(jobs)
         plan = self.schedule(jobs, settings)
@@ -409,7 +431,7 @@ class VectorisedExecutor(Executor):
             return v.detach().reshape(c, -1).to(torch.float32)
 
         if self.device.type == "cpu":
-            out = np.empty((c, self.spec.size), dtype=np.float32)
+            out = self._host.take(c, self.spec.size)[1]
             for name, off in self.offsets.items():
                 out[:, off:off + self.tensor_spec[name].numel] = value(name).numpy()
             return out, loss_sum.numpy().tolist()
@@ -417,7 +439,10 @@ class VectorisedExecutor(Executor):
         block = torch.cat([value(name) for name in self.offsets], dim=1)  # the spec's order
         host_loss = torch.empty(c, dtype=loss_sum.dtype, pin_memory=cuda)
         host_loss.copy_(loss_sum, non_blocking=cuda)
-        out = block.cpu().numpy()  # waits for the stream: the losses' copy has landed too
+        host, out = self._host.take(c, self.spec.size)
+        host.copy_(block, non_blocking=cuda and host.is_pinned())
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()  # both copies have landed
         return out, host_loss.tolist()
 
     # -- checking ------------------------------------------------------------------------
@@ -437,6 +462,8 @@ class VectorisedExecutor(Executor):
             probe = TaskSettings(local_steps=2, local_epochs=settings.local_epochs or 1,
                                  batch_size=settings.batch_size, lr=settings.lr,
                                  momentum=settings.momentum)
+        if self.amp is not None:  # bfloat16 rounding against the float32 trainer
+            tolerance = max(tolerance, AMP_TOLERANCE)
         params = self.spec.flatten(self.model)
         jobs = [Job(c, params, 1000 + c) for c in range(min(2, len(self.shares)))]
         try:
@@ -454,7 +481,46 @@ class VectorisedExecutor(Executor):
             if not err <= tolerance:
                 raise VectorisationError(f"vmap result differs from the trainer by {err:.2e} "
                                          f"(relative), more than {tolerance:.0e}")
-        return "probe matched the trainer"
+        return ("probe matched the trainer" if self.amp is None else
+                f"probe matched the float32 trainer within {tolerance:g} (bf16 autocast)")
+
+
+class HostBlocks:
+    """The host memory chunks' trained vectors are read back into, reused from round to round
+    once nothing holds a block's vectors any more.
+
+    A fresh ``(clients, size)`` block per chunk faults in every page of it (4 GB for 1,000
+    clients of a 1M-parameter model), and on CUDA a copy into pageable memory is staged
+    through the driver; a kept block, pinned on CUDA (up to :data:`MAX_PINNED_BYTES` in all),
+    is written straight by the copy engine. A block is reused only when no view of it survives:
+    a chunk's results are views of its block, held until their clients push. The blocks kept
+    are as many as one round's chunks held at once (at most :data:`MAX_HOST_BLOCKS`), the
+    memory the round needs anyway.
+    """
+
+    def __init__(self, *, pin: bool) -> None:
+        self.pin = pin
+        self._blocks: list[tuple[torch.Tensor, npt.NDArray[np.float32]]] = []
+        self.pinned_bytes = 0
+        self.reused = 0
+
+    def take(self, rows: int, cols: int) -> tuple[torch.Tensor, npt.NDArray[np.float32]]:
+        """A ``(rows, cols)`` float32 block: a host tensor and the array sharing its memory."""
+        for entry in self._blocks:
+            array = entry[1]
+            # the list's tuple, this local and the call's argument: no view of it survives
+            if array.shape[1] == cols and array.shape[0] >= rows \
+                    and sys.getrefcount(array) <= 3:
+                self.reused += 1
+                return entry[0][:rows], array[:rows]
+        nbytes = rows * cols * 4
+        pin = self.pin and self.pinned_bytes + nbytes <= MAX_PINNED_BYTES
+        tensor = torch.empty((rows, cols), dtype=torch.float32, pin_memory=pin)
+        array = tensor.numpy()
+        if len(self._blocks) < MAX_HOST_BLOCKS:
+            self._blocks.append((tensor, array))
+            self.pinned_bytes += nbytes if pin else 0
+        return tensor, array
 
 
 def _same_step_seeds(got: bytes, want: bytes, settings: TaskSettings) -> None:

@@ -15,6 +15,7 @@ from murmura.simulation import (
     VectorisationError,
     VectorisedExecutor,
 )
+from murmura.simulation.vectorised import HostBlocks
 from murmura.tasks import ArrayDataset, Task, logistic_regression, mlp
 
 #: vmap reorders float additions inside batched matrix products; nothing else differs.
@@ -192,3 +193,44 @@ def test_vmap_trains_each_job_for_its_own_assigned_steps(digits: Task) -> None:
                                      momentum=0.5))[0]
         assert g.metrics["steps"] == job.steps
         assert _close(g.params, want.params) < TOLERANCE
+
+
+READ_BACK = TaskSettings(local_epochs=1, batch_size=16, lr=0.1)
+
+
+def test_read_back_blocks_are_reused_only_once_no_result_holds_them(digits: Task) -> None:
+    # Prepare: one executor, two rounds of the same six clients
+    factory = lambda: logistic_regression(64, 10)  # noqa: E731
+    ex = VectorisedExecutor(factory, digits.train, digits.shares(6), chunk_size=3)
+    torch.manual_seed(0)
+    model = factory()
+    start = ModelSpec.from_module(model).flatten(model)
+    jobs = [Job(c, start, c) for c in range(6)]
+    # Execute: the first round's results are still held while the second round trains
+    first = ex.run(jobs, READ_BACK)
+    kept = [r.params.copy() for r in first]
+    second = ex.run([Job(c, start, 100 + c) for c in range(6)], READ_BACK)
+    # Assert: nothing of the first round was overwritten, the second round got new blocks
+    assert all(np.array_equal(r.params, k) for r, k in zip(first, kept, strict=True))
+    assert ex._host.reused == 0
+    # once the first round's results are gone, its two blocks serve the next round
+    del first, kept
+    third = ex.run(jobs, READ_BACK)
+    assert ex._host.reused == 2
+    again = VectorisedExecutor(factory, digits.train, digits.shares(6), chunk_size=3)
+    assert all(np.array_equal(a.params, b.params)
+               for a, b in zip(third, again.run(jobs, READ_BACK), strict=True))
+    del second
+
+
+def test_host_blocks_hand_out_memory_no_view_holds() -> None:
+    blocks = HostBlocks(pin=False)
+    t, a = blocks.take(4, 5)
+    a[:] = 1.0
+    row = a[2]
+    t2, b = blocks.take(4, 5)  # a view of the first survives: a new block
+    assert not np.shares_memory(a, b) and blocks.reused == 0
+    del row, a, t
+    t3, c = blocks.take(3, 5)  # a smaller chunk fits the first block
+    assert blocks.reused == 1 and c.shape == (3, 5) and c[0, 0] == 1.0
+    assert t3.shape == (3, 5) and np.shares_memory(c, t3.numpy())
