@@ -86,6 +86,8 @@ from murmura.tasks import TaskConfig
 log = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "checkpoint.npz"
+#: Receive buffers the simulated server keeps between rounds, in bytes (see _build_core).
+KEEP_BUFFER_BYTES = 8 << 30
 #: Codecs whose encoders keep no state: one encoder serves every client.
 STATELESS_CODECS = frozenset({"dense-f32", "dense-f16"})
 
@@ -222,11 +224,18 @@ class Simulation(ClientEventsJob, UpdatesJob, ResultsJob):
         # inline, so virtual time alone orders events. Every simulated client lives in this
         # process, so node identities would prove nothing: they are off (docs/security.md).
         config = self.server_config.replace(require_identity=False, allowed_keys="")
-        return build_core(config, self.task_config, out_dir=self.out_dir,
+        core = build_core(config, self.task_config, out_dir=self.out_dir,
                           evaluate=evaluate, task=self.data.task, clock=self.clock,
                           checkpoint=self.sim.checkpoint, fresh_metrics=True,
                           extra_config={"simulation": dataclasses.asdict(self.sim),
                                         "data": self.data.source})
+        # A sync round holds its cohort's updates until they fold in cohort order, and the
+        # next round needs as many receive buffers again: keep them (up to a memory budget)
+        # instead of faulting in fresh mappings every round. The peak is the same either way.
+        buffers = core.pipeline.tier.buffers
+        per = max(4 * core.spec.size, buffers.min_bytes)
+        buffers.max_free = max(buffers.max_free, min(self.sim.clients, KEEP_BUFFER_BYTES // per))
+        return core
 
     # -- the event loop ------------------------------------------------------------------
 

@@ -49,6 +49,35 @@ def test_a_buffer_still_referenced_is_never_reused() -> None:
     assert pool.release(other) and pool.free == 1
 
 
+def test_a_withheld_buffer_is_reused_once_its_last_view_is_gone() -> None:
+    # Prepare: released while a decoded view still holds it (a synchronous push's fold)
+    pool = BufferPool()
+    lease = pool.acquire(BIG)
+    lease.write(0, np.full(BIG // 4, 3.0, "<f4").tobytes())
+    held = np.frombuffer(lease.view, dtype="<f4")
+    assert not pool.release(lease) and pool.withheld == 1
+    # Execute: the view goes, then the next push of that size asks for a buffer
+    del held
+    again = pool.acquire(BIG)
+    # Assert: the parked buffer came back, with its pages (the bytes written before)
+    assert pool.unparked == 1 and pool.reused == 1 and pool.allocated == 1
+    assert np.frombuffer(again.view, dtype="<f4")[0] == 3.0
+
+
+def test_parked_buffers_are_bounded_and_forgotten_by_clear() -> None:
+    pool = BufferPool(max_free=2)
+    views = []
+    for _ in range(5):
+        lease = pool.acquire(BIG)
+        views.append(np.frombuffer(lease.view, dtype=np.uint8))
+        assert not pool.release(lease)
+    assert pool.withheld == 5 and len(pool._parked) == 2  # the two youngest
+    views.clear()
+    pool.clear()
+    pool.acquire(BIG)
+    assert pool.unparked == 0 and pool.allocated == 6
+
+
 @pytest.mark.parametrize("keep", [
     lambda v: v,                                      # the view itself
     lambda v: v[10:20],                               # a slice of it
