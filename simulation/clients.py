@@ -41,7 +41,7 @@ class _Flight:
     steps: int = 0                        # the server's assignment; 0: the settings' own
     version: int = -1
     params: FlatVector | None = None      # the global vector it trains from (shared)
-    payload: bytes | None = None
+    payload: bytes | memoryview | None = None  # memoryview: a dense-f32 delta's own bytes
     codec: str = ""                       # "" : the run's codec (settings.codec)
     num_examples: int = 0
     metrics: dict[str, float] = field(default_factory=dict)

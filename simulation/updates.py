@@ -153,8 +153,10 @@ class UpdatesJob:
             if r.encoded is not None:  # the trainer's own payload (a seed-based step log)
                 flight.codec, flight.payload = r.encoded
             else:
-                update = delta_of(r.params, job.params)
-                flight.payload = self._encoder(c).encode(update)
+                update = _delta(r.params, job.params)
+                encoder = self._encoder(c)
+                view = encoder.encode_view(update)  # dense-f32: the delta's own bytes
+                flight.payload = view if view is not None else encoder.encode(update)
             flight.num_examples = r.num_examples
             flight.metrics = dict(r.metrics)
             flight.params = None  # the global vector is no longer needed by this client
@@ -239,6 +241,18 @@ class UpdatesJob:
                 report.update({f"eval_{k}": float(v) for k, v in figures.items()})
                 reports[c] = report
         return reports
+
+
+def _delta(trained: FlatVector, base: FlatVector) -> FlatVector:
+    """The client's update, computed in the trained vector's own memory where it may be (a
+    result's row is not used again once its update is made): no new array per client, whose
+    pages would fault in (a 4 MB update costs more in faults than in arithmetic). A read-only
+    vector (a Ray object), one that may share memory with the base, or another dtype gets a
+    new array, as :func:`~murmura.client.trainer.delta_of` makes it."""
+    if trained.dtype == np.float32 and trained.flags.writeable and trained.shape == base.shape \
+            and not np.may_share_memory(trained, base):
+        return np.subtract(trained, base, out=trained)
+    return delta_of(trained, base)
 
 
 def _examples(data: Any) -> int:

@@ -37,6 +37,13 @@ class Encoder(ABC):
     def encode(self, update: FlatVector) -> bytes:
         """Encode one update; may update internal state (e.g. an error-feedback residual)."""
 
+    def encode_view(self, update: FlatVector) -> memoryview | None:
+        """The payload :meth:`encode` would return, as a zero-copy view of ``update``'s own
+        memory where the codec's bytes are exactly that memory (``dense-f32`` on a
+        little-endian host); None for every other codec. The view aliases ``update``: the
+        caller must not change it until the payload is sent."""
+        return None
+
 
 class Codec(ABC):
     """A named update encoding. Subclasses parse their options in ``__init__``."""

@@ -14,6 +14,8 @@ from murmura.protocols.codecs.base import (
 )
 
 _F16_MAX = float(np.finfo(np.float16).max)
+#: Little-endian float32, the dense-f32 wire format (equal to native float32 on most hosts).
+_WIRE_F32 = np.dtype("<f4")
 
 
 class _DenseEncoder(Encoder):
@@ -28,6 +30,16 @@ class _DenseEncoder(Encoder):
             raise CodecError(f"codec {self._codec!r}: update exceeds the float16 range "
                              f"(|x| > {_F16_MAX}); use dense-f32")
         return np.ascontiguousarray(update, dtype=self._dtype).tobytes()
+
+    def encode_view(self, update: FlatVector) -> memoryview | None:
+        # float32 already in wire order: the payload is the update's own bytes (no float16
+        # range to check). A copy is made only where the update is not contiguous.
+        if self._dtype != _WIRE_F32 or update.dtype != _WIRE_F32:
+            return None
+        if update.shape != (self._size,):
+            raise CodecError(f"codec {self._codec!r}: update has shape {update.shape}, "
+                             f"expected ({self._size},)")
+        return memoryview(np.ascontiguousarray(update)).cast("B")
 
 
 @register_codec

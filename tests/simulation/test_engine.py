@@ -163,3 +163,20 @@ def test_models_vmap_cannot_run_fall_back_and_say_so(digits: Task, workers: int,
     with pytest.raises(ValueError, match="can't be vectorised"):
         Simulation(LOGREG, _server(), SimulationConfig(clients=4, vectorise="on"), data=data,
                    out_dir=None)
+
+
+def test_an_update_is_made_in_the_trained_vectors_memory_only_where_that_is_safe() -> None:
+    from murmura.simulation.updates import _delta
+
+    base = np.arange(6, dtype=np.float32)
+    trained = base + 0.5
+    want = trained - base
+    # a writable float32 result: the update replaces it in place (no new array)
+    got = _delta(trained, base)
+    assert np.shares_memory(got, trained) and np.array_equal(got, want)
+    # a read-only one (a Ray object), or one that overlaps the base: a new array
+    frozen = base + 0.5
+    frozen.flags.writeable = False
+    assert not np.shares_memory(_delta(frozen, base), frozen)
+    block = np.stack([base, base + 0.5])
+    assert np.array_equal(_delta(block[1], block[1]), np.zeros(6, np.float32))
