@@ -39,7 +39,7 @@ class _DenseEncoder(Encoder):
         if update.shape != (self._size,):
             raise CodecError(f"codec {self._codec!r}: update has shape {update.shape}, "
                              f"expected ({self._size},)")
-        return memoryview(np.ascontiguousarray(update)).cast("B")
+        return np.ascontiguousarray(update).data.cast("B")
 
 
 @register_codec
