@@ -246,7 +246,7 @@ FIELD_HELP: dict[str, dict[str, str]] = {
     },
     "SimulationConfig": {
         "clients": "number of virtual clients",
-        "out": "directory for metrics.jsonl, summary.json and plots",
+        "out": "directory for metrics.jsonl, summary.json and plots ('': write nothing)",
         "step_time_s": "seconds per local step on the fastest virtual device (> 0)",
         "speed_spread": "slowest device / fastest device (>= 1; log-uniform in between)",
         "stragglers": "fraction of clients, in [0, 1], that are --straggler-factor x slower",

@@ -145,9 +145,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"({s['updates']} updates, {s['bytes_up'] / 1e6:.2f} MB up) in "
               f"{result.virtual_s:.1f} virtual s ({result.wall_s:.1f} s wall, "
               f"{stats['updates_per_wall_s'] or 0:.0f} client updates/s)")
-    plots = "accuracy.png" + (", staleness.png" if (Path(sim.out) / "staleness.png").exists()
-                              else "")
-    print(f"results: {sim.out}/metrics.jsonl, {sim.out}/summary.json, {sim.out}/{{{plots}}}")
+    if sim.out:
+        plots = "accuracy.png" + (", staleness.png"
+                                  if (Path(sim.out) / "staleness.png").exists() else "")
+        print(f"results: {sim.out}/metrics.jsonl, {sim.out}/summary.json, {sim.out}/{{{plots}}}")
+    else:
+        print("results: not written (--out '')")
     if interrupted:
         return 130
     if not stats["done"]:
@@ -179,7 +182,8 @@ def _simulate_gossip(task: TaskConfig, sim: SimulationConfig, toml: dict[str, An
           f"after {last['round']} rounds, consensus distance "
           f"{last['consensus_distance']:.4f}, {result.bytes_per_peer_round / 1024:.1f} KiB "
           f"per peer per round, {result.virtual_s:.1f} virtual s ({result.wall_s:.1f} s wall)")
-    print(f"results: {sim.out}/metrics.jsonl, {sim.out}/summary.json, {sim.out}/accuracy.png")
+    print(f"results: {sim.out}/metrics.jsonl, {sim.out}/summary.json, {sim.out}/accuracy.png"
+          if sim.out else "results: not written (--out '')")
     return 0
 
 

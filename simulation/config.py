@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 VECTORISE = ("auto", "on", "off")
 EXECUTORS = ("auto", "vmap", "loop", "pool", "ray")
@@ -107,7 +108,7 @@ class SimulationConfig:
     """
 
     clients: int = 100
-    out: str = "runs/simulate"
+    out: str = "runs/simulate"     # "": write nothing
     # devices
     step_time_s: float = 0.05
     speed_spread: float = 10.0
@@ -232,5 +233,12 @@ class SimulationConfig:
             raise ValueError(f"max_time_s must be >= 0, got {self.max_time_s}")
 
 
+def output_dir(sim: SimulationConfig, out_dir: str | Path | None | bool) -> Path | None:
+    """Where a simulation writes its results: ``out_dir`` when given (None or "": nowhere),
+    else (``True``) ``sim.out``, where "" means nowhere too, not the working directory."""
+    chosen = sim.out if out_dir is True else out_dir
+    return Path(chosen) if chosen else None
+
+
 __all__ = ["AMP", "CPU_CHUNK", "DEVICES", "DROPOUT", "EXECUTORS", "VECTORISE", "SimulationConfig",
-           "ZO_AMP", "check_device", "resolve_device"]
+           "ZO_AMP", "check_device", "output_dir", "resolve_device"]

@@ -73,7 +73,7 @@ from murmura.simulation.clients import (
     _Flight,
 )
 from murmura.simulation.clock import EventQueue, VirtualClock
-from murmura.simulation.config import SimulationConfig
+from murmura.simulation.config import SimulationConfig, output_dir
 from murmura.simulation.data import SimulationData, load_simulation_data
 from murmura.simulation.execution import Executor, default_workers
 from murmura.simulation.population import availability, choose_executor, device_population
@@ -137,7 +137,7 @@ class Simulation(ClientEventsJob, UpdatesJob, ResultsJob):
                                 if a.update is not None}
         self.update_hook = update_hook
         self.retry = retry or RetryPolicy()
-        self.out_dir = Path(sim.out) if out_dir is True else (Path(out_dir) if out_dir else None)
+        self.out_dir = output_dir(sim, out_dir)
         self.progress = progress
         self.clock = VirtualClock()
         self.core = self._build_core(evaluate)

@@ -51,7 +51,7 @@ from murmura.gossip.topology import stable_hash
 from murmura.protocols import FlatVector, ModelSpec, PeerInfo, PeerModelHeader, serde
 from murmura.server.outputs import RunRecorder
 from murmura.simulation.attacks import check_attacks, poison_data
-from murmura.simulation.config import SimulationConfig
+from murmura.simulation.config import SimulationConfig, output_dir
 from murmura.simulation.data import SimulationData, load_simulation_data
 from murmura.simulation.devices import AlwaysOn, Availability, Churn, DevicePopulation
 from murmura.simulation.execution import Executor, LoopExecutor, default_workers
@@ -167,7 +167,7 @@ class GossipSimulation(GossipRounds):
         self.attack_pair = attack_pair
         self.eval_every = max(1, eval_every)
         self.settings = gossip.settings()
-        self.out_dir = Path(sim.out) if out_dir is True else (Path(out_dir) if out_dir else None)
+        self.out_dir = output_dir(sim, out_dir)
         self.progress = progress
         factory = self.data.task.model_factory
         start_module = seeded_init(factory, gossip.seed)

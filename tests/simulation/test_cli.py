@@ -89,3 +89,14 @@ def test_simulate_runs_the_zeroth_order_trainer(tmp_path) -> None:
     assert args.fn(args) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["versions"] == 1 and summary["updates"] == 3
+
+
+def test_simulate_with_an_empty_out_says_it_wrote_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = _parser().parse_args(["simulate", "--task", "digits", "--model", "logreg",
+                                 "--clients", "4", "--max-versions", "1", "--out", ""])
+    assert args.fn(args) == 0
+    assert "results: not written (--out '')" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []

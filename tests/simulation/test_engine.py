@@ -180,3 +180,17 @@ def test_an_update_is_made_in_the_trained_vectors_memory_only_where_that_is_safe
     assert not np.shares_memory(_delta(frozen, base), frozen)
     block = np.stack([base, base + 0.5])
     assert np.array_equal(_delta(block[1], block[1]), np.zeros(6, np.float32))
+
+
+def test_an_empty_out_writes_nothing_not_into_the_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from murmura.simulation import simulate
+
+    monkeypatch.chdir(tmp_path)
+    sim = SimulationConfig(clients=4, out="")
+    result = simulate(LOGREG, _server(max_versions=1), sim)
+    assert result.version == 1
+    assert list(tmp_path.iterdir()) == []
+    # out_dir given explicitly still wins over sim.out
+    simulate(LOGREG, _server(max_versions=1), sim, out_dir=tmp_path / "here")
+    assert (tmp_path / "here" / "summary.json").exists()
