@@ -141,8 +141,12 @@ class BufferPool:
             return ReceiveBuffer(aligned_empty(nbytes, pooled=False), nbytes, pooled=False)
         if self._parked:
             self._unpark()
+        free = self._free
+        if free and free[-1].nbytes == nbytes:  # the usual case: updates of one size
+            self.reused += 1
+            return ReceiveBuffer(free.pop(), nbytes, pooled=True)
         best = -1
-        for i, array in enumerate(self._free):
+        for i, array in enumerate(free):
             if nbytes <= array.nbytes <= 2 * nbytes and (
                     best < 0 or array.nbytes < self._free[best].nbytes):
                 best = i

@@ -55,7 +55,10 @@ class Job:
 
 @dataclass
 class JobResult:
-    """The client's trained model and what its trainer reports."""
+    """The client's trained model and what its trainer reports.
+
+    ``params`` passes to the caller: the simulator computes the client's update in its
+    memory (when it is a writable float32 array), so an executor must not keep using it."""
 
     params: FlatVector
     num_examples: int
