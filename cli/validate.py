@@ -291,7 +291,7 @@ def _server_side(args: argparse.Namespace, toml: dict[str, Any], **overrides: An
 
 def _early_codec_and_rule(args: argparse.Namespace, toml: dict[str, Any]) -> None:
     """--codec/--codec-option and --defense/--defense-option from the flags or the file."""
-    from murmura.server.flat_keys import parse_option
+    from murmura.protocols.options import parse_options
 
     server = toml.get("server", {})
     train = server.get("train", {}) if isinstance(server.get("train"), dict) else {}
@@ -305,8 +305,7 @@ def _early_codec_and_rule(args: argparse.Namespace, toml: dict[str, Any]) -> Non
     codec = str(given("codec", "dense-f32"))
     check_codec(codec, _options(given("codec_options", {}), "--codec-option"))
     defense = str(given("defense", "fedavg"))
-    options = {k.replace("-", "_"): parse_option(v)
-               for k, v in _options(given("defense_options", {}), "--defense-option").items()}
+    options = parse_options(_options(given("defense_options", {}), "--defense-option"))
     check_rule(defense, options, "defense", "--defense-option")
 
 
@@ -382,12 +381,12 @@ def _peer(args: argparse.Namespace, toml: dict[str, Any]) -> None:
 
 def _gossip(args: argparse.Namespace, toml: dict[str, Any]) -> None:
     from murmura.gossip import GossipConfig
-    from murmura.server.flat_keys import parse_option
+    from murmura.protocols.options import parse_options
     from murmura.tasks import TaskConfig
 
     build(TaskConfig, toml.get("task"), args, section="task")
     gossip = build(GossipConfig, toml.get("gossip"), args, section="gossip")
-    options = {k.replace("-", "_"): parse_option(v) for k, v in gossip.rule_options.items()}
+    options = parse_options(gossip.rule_options)
     check_rule(gossip.rule, options, "gossip rule", "--rule-option")
 
 

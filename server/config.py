@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from murmura.protocols.messages import TaskSettings
+from murmura.protocols.options import parse_options
 from murmura.server.compass import COMPASS_STEPS, StepBounds
-from murmura.server.flat_keys import FlatKeys, parse_option
+from murmura.server.flat_keys import FlatKeys
 
 if TYPE_CHECKING:  # the rules and codecs load torch: imported where a config is checked, so
     from murmura.aggregation import Aggregator  # the command-line parser can read this module
@@ -165,7 +166,7 @@ class PolicyConfig:
 
     def defense_kwargs(self) -> dict[str, Any]:
         """``defense_options`` with numbers parsed (``none`` means None)."""
-        return {k.replace("-", "_"): parse_option(v) for k, v in self.defense_options.items()}
+        return parse_options(self.defense_options)
 
 
 @dataclass(frozen=True)

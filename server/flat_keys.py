@@ -1,4 +1,5 @@
-"""The flat key namespace of a nested config, and the parsing of option strings.
+"""The flat key namespace of a nested config (option strings are parsed by
+:mod:`murmura.protocols.options`, re-exported here).
 
 People name the server's settings flat: ``--buffer-size 5`` on the command line,
 ``buffer_size = 5`` in a config file's ``[server]`` table, ``ServerConfig.from_flat(...)`` in
@@ -15,6 +16,8 @@ import dataclasses
 import difflib
 from collections.abc import Mapping
 from typing import Any
+
+from murmura.protocols.options import parse_option
 
 __all__ = ["FlatKeys", "parse_option"]
 
@@ -68,17 +71,3 @@ class FlatKeys:
         """Every flat key of ``config`` (an instance of the root) with its value."""
         return {key: getattr(getattr(config, group) if group else config, key)
                 for key, (group, _, _) in self.entries.items()}
-
-
-def parse_option(value: str) -> Any:
-    """An option's text (``--defense-option f=2``, a config file's string) as the value it
-    names: an int, else a float, else the text; ``none`` (any case) is None."""
-    text = str(value).strip()
-    if text.lower() == "none":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
