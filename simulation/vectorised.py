@@ -439,11 +439,21 @@ class VectorisedExecutor(Executor):
         block = torch.cat([value(name) for name in self.offsets], dim=1)  # the spec's order
         host_loss = torch.empty(c, dtype=loss_sum.dtype, pin_memory=cuda)
         host_loss.copy_(loss_sum, non_blocking=cuda)
-        host, out = self._host.take(c, self.spec.size)
+        out = self.to_host(block)  # waits for the stream: the losses' copy has landed too
+        return out, host_loss.tolist()
+
+    def to_host(self, block: torch.Tensor) -> npt.NDArray[np.float32]:
+        """A ``(clients, size)`` float32 block on the device, as an array on the host: a kept
+        host block (pinned on CUDA) when one is free (:class:`HostBlocks`), written by one
+        copy; returns once the copy (and whatever the stream queued before it) has landed."""
+        if self.device.type == "cpu":
+            return block.numpy()  # type: ignore[no-any-return]
+        cuda = self.device.type == "cuda"
+        host, out = self._host.take(block.shape[0], block.shape[1])
         host.copy_(block, non_blocking=cuda and host.is_pinned())
         if cuda:
-            torch.cuda.current_stream(self.device).synchronize()  # both copies have landed
-        return out, host_loss.tolist()
+            torch.cuda.current_stream(self.device).synchronize()
+        return out
 
     # -- checking ------------------------------------------------------------------------
 

@@ -95,7 +95,7 @@ def run_zo_chunk(ex: VectorisedExecutor, jobs: Sequence[Job],
                         coeff[i] = eps           # back to theta, up to rounding
                         skipped[i] += 1
                 theta.addcmul_(z, torch.from_numpy(coeff).to(dev))
-    out = theta.cpu().numpy()
+    out = ex.to_host(theta)
     zeros = np.broadcast_to(np.float32(0), (size,))
     active_steps = plan.active.sum(axis=1).tolist()
     results = []
