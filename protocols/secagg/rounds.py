@@ -13,7 +13,12 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from murmura.protocols.secagg.graph import default_degree, neighbours, threshold
-from murmura.protocols.secagg.keys import SEED_BYTES, expand_words, pair_seed, seed_commitment
+from murmura.protocols.secagg.keys import (
+    SEED_BYTES,
+    MaskStreams,
+    pair_seed,
+    seed_commitment,
+)
 from murmura.protocols.secagg.ring import (
     RingVector,
     _check_ring,
@@ -48,10 +53,10 @@ def mask(
     if client in pair_seeds:
         raise ValueError("a client has no pairwise mask with itself")
     y = _words(x, bits)
-    np.add(y, expand_words(self_seed, x.shape[0], bits=bits, round_id=round_id,
-                           purpose="self"), out=y)
+    streams = MaskStreams(x.shape[0], bits=bits)
+    np.add(y, streams.words(self_seed, round_id=round_id, purpose="self"), out=y)
     for j, seed in pair_seeds.items():
-        stream = expand_words(seed, x.shape[0], bits=bits, round_id=round_id, purpose="pair")
+        stream = streams.words(seed, round_id=round_id, purpose="pair")
         (np.add if j > client else np.subtract)(y, stream, out=y)
     return _reduce(y.astype(np.uint64), bits)
 
@@ -91,12 +96,11 @@ def unmask(
     if set(pair_seeds) != needed:
         raise ValueError("pair_seeds must cover exactly the (included, dropped) neighbour pairs")
     out = _words(total, bits)
-    length = out.shape[0]
+    streams = MaskStreams(out.shape[0], bits=bits)
     for seed in self_seeds.values():
-        np.subtract(out, expand_words(seed, length, bits=bits, round_id=round_id,
-                                      purpose="self"), out=out)
+        np.subtract(out, streams.words(seed, round_id=round_id, purpose="self"), out=out)
     for (s, d), seed in pair_seeds.items():
-        stream = expand_words(seed, length, bits=bits, round_id=round_id, purpose="pair")
+        stream = streams.words(seed, round_id=round_id, purpose="pair")
         (np.subtract if s < d else np.add)(out, stream, out=out)  # undo what survivor s added
     return _reduce(out.astype(np.uint64), bits)
 

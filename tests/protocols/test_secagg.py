@@ -434,3 +434,27 @@ def test_interpolation_denominators_match_the_plain_products(t: int, span: int) 
                 d *= xi - xj
         want.append(d % shamir.PRIME)
     assert shamir._denominators(xs) == want
+
+
+@pytest.mark.parametrize("bits", [16, 32, 40, 64])
+def test_mask_streams_expand_what_expand_words_does_into_one_scratch(bits: int) -> None:
+    from murmura.protocols.secagg.keys import MaskStreams, expand_words
+
+    streams = MaskStreams(1001, bits=bits)
+    seeds = [bytes([i]) * 32 for i in range(1, 4)]
+    for round_id, purpose in ((0, "self"), (7, "pair")):
+        for seed in seeds:
+            got = streams.words(seed, round_id=round_id, purpose=purpose)
+            want = expand_words(seed, 1001, bits=bits, round_id=round_id, purpose=purpose)
+            assert got.dtype == want.dtype and np.array_equal(got, want)
+    first = streams.words(seeds[0], round_id=1).copy()
+    view = streams.words(seeds[0], round_id=1)
+    streams.words(seeds[1], round_id=1)  # the next call reuses the scratch
+    assert not np.array_equal(view, first) and np.shares_memory(view, streams.words(seeds[0],
+                                                                                     round_id=1))
+    with pytest.raises(ValueError, match="mask seed has 32 bytes"):
+        streams.words(b"short", round_id=1)
+    with pytest.raises(ValueError, match="purpose must be one of"):
+        streams.words(seeds[0], round_id=1, purpose="other")
+    with pytest.raises(ValueError, match="bits must be in"):
+        MaskStreams(10, bits=65)
