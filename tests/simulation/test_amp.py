@@ -25,6 +25,7 @@ from murmura.simulation import (
 )
 from murmura.simulation.config import ZO_AMP
 from murmura.tasks import Task, TaskConfig, load_task
+from tests.simulation.test_device import _max_update_diff
 
 SETTINGS = TaskSettings(local_epochs=2, batch_size=16, lr=0.1, momentum=0.9)
 #: bf16 against float32: the largest difference of a client's update, relative to the update's
@@ -44,15 +45,6 @@ def _jobs(task: Task, n: int) -> list[Job]:
     return [Job(c, params, 100 + c) for c in range(n)]
 
 
-def _update_diff(a, b, start: np.ndarray) -> float:
-    """Largest |update a - update b| relative to update a's largest entry, over clients."""
-    worst = 0.0
-    for x, y in zip(a, b, strict=True):
-        dx, dy = x.params - start, y.params - start
-        worst = max(worst, float(np.abs(dx - dy).max()) / max(float(np.abs(dx).max()), 1e-12))
-    return worst
-
-
 @pytest.mark.parametrize("executor", ["vmap", "loop"])
 def test_bf16_changes_the_arithmetic_but_not_the_update(executor: str) -> None:
     # Prepare: the digits MLP, six clients
@@ -67,7 +59,7 @@ def test_bf16_changes_the_arithmetic_but_not_the_update(executor: str) -> None:
     # results stay float32 and report the same work
     start = jobs[0].params
     assert any(not np.array_equal(f.params, h.params) for f, h in zip(full, half, strict=True))
-    assert _update_diff(full, half, start) <= AMP_TOLERANCE
+    assert _max_update_diff(full, half, start) <= AMP_TOLERANCE
     for f, h in zip(full, half, strict=True):
         assert h.params.dtype == np.float32
         assert h.num_examples == f.num_examples
@@ -85,7 +77,7 @@ def test_bf16_vmap_matches_the_bf16_trainer_on_a_language_model() -> None:
     got = vec.run(jobs, settings)
     want = LoopExecutor(task.model_factory, task.train, shares, amp="bf16").run(jobs, settings)
     # Assert
-    assert _update_diff(want, got, jobs[0].params) <= AMP_TOLERANCE
+    assert _max_update_diff(want, got, jobs[0].params) <= AMP_TOLERANCE
     assert "bf16 autocast" in vec.describe()
 
 
@@ -146,4 +138,4 @@ def test_bf16_on_cuda_matches_float32_on_the_cpu() -> None:
     cpu = VectorisedExecutor(task.model_factory, task.train, shares).run(jobs, settings)
     gpu = VectorisedExecutor(task.model_factory, task.train, shares, device="cuda",
                              amp="bf16").run(jobs, settings)
-    assert _update_diff(cpu, gpu, jobs[0].params) <= AMP_TOLERANCE
+    assert _max_update_diff(cpu, gpu, jobs[0].params) <= AMP_TOLERANCE
