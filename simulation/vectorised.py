@@ -209,7 +209,9 @@ class VectorisedExecutor(Executor):
         with torch.autocast(self.device.type, dtype=self.amp or torch.float32,
                             enabled=self.amp is not None):
             out = functional_call(self.module, (params, state), (x,))
-        per = self.loss(out.float(), y)  # the loss in float32, as autocast's own policy has it
+        if self.amp is not None:  # the loss in float32, as autocast's own policy has it
+            out = out.float()
+        per = self.loss(out, y)
         return (per * mask).sum() / mask.sum().clamp(min=1.0)
 
     def describe(self) -> str:
