@@ -364,6 +364,17 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
         for fn in self._listeners:
             fn()
 
+    def task_signature(self) -> tuple[Any, ...]:
+        """What a waiting client's task answer depends on: while it is unchanged, a client
+        told to wait would be told to wait again. A held GetTask poll (and a simulated one)
+        asks again only when it changes: the version, the end of the run, the policy's round
+        and whether it is open, the sessions while no round is open (joins may open one), and
+        a policy's own ``task_epoch`` (secure aggregation's stages)."""
+        policy = self.policy
+        is_open = getattr(policy, "open", None)
+        return (self.version, self.done, self.publishing, getattr(policy, "round", 0), is_open,
+                len(self.sessions) if not is_open else -1, getattr(policy, "task_epoch", 0))
+
     def derive_seed(self, *parts: object) -> int:
         """A 63-bit seed from the run seed and ``parts``; stable across processes and runs."""
         text = "/".join(str(p) for p in (self.config.seed, *parts))
@@ -410,12 +421,15 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
     def tick(self) -> None:
         """Enforce deadlines and expire idle sessions; the transport calls this periodically."""
         now = self.clock()
+        before = self.task_signature()
         self.expire_sessions(now)
         for memory in (self._seen, self._counted, self._left):
             memory.expire(now)
         if self._lost:
             self._end_lost(now)
         self.policy.tick(now)
+        if self.task_signature() != before:  # a deadline closed or opened a round
+            self._changed()
         if self.store is not None and self.store_error is None:
             # Downloads and refusals commit nothing themselves: write the counters now and
             # then, so a crash loses at most a few seconds of them.

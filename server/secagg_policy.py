@@ -89,7 +89,12 @@ class _SecAggSteps:
         rec = self.core.record_of(cid)
         return rec.public_key if rec is not None and rec.public_key else b""
 
+    #: Bumped at every protocol change a waiting client may care about (a stage, a group
+    #: ending): part of the core's task signature, so a held GetTask poll re-asks then.
+    task_epoch = 0
+
     def _changed(self) -> None:
+        self.task_epoch += 1
         notify = getattr(self.core, "_changed", None)
         if notify is not None:
             notify()

@@ -80,6 +80,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         #: The steps every push takes (server/pipeline.py); this servicer lands the stream.
         self.pipeline = PushPipeline(core, self.tier)
         self._event: asyncio.Event | None = None
+        self._signature: tuple[Any, ...] = ()  # the core's task signature at the last wake
         self.log_limit = LogLimiter()
         #: Tests: called with the name of each await point (AWAIT_POINTS) just before the
         #: handler waits there, e.g. to cancel the handler's task at that point.
@@ -95,13 +96,22 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         return self.tier.buffers
 
     def _notify(self) -> None:
-        if self._event is not None:
-            self._event.set()
-            self._event = asyncio.Event()
+        """Wake the held GetTask polls, but only when their answer may have changed (the
+        core's task signature moved): waking every poll at every accepted update made a sync
+        round of n clients cost O(n^2) task calls on the event loop."""
+        if self._event is None:
+            return
+        signature = self.core.task_signature()
+        if signature == self._signature:
+            return
+        self._signature = signature
+        self._event.set()
+        self._event = asyncio.Event()
 
     def _changed_event(self) -> asyncio.Event:
         if self._event is None:
             self._event = asyncio.Event()
+            self._signature = self.core.task_signature()
         return self._event
 
     async def _refuse_malformed(self, context: grpc.aio.ServicerContext, bad: Malformed) -> None:

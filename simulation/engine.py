@@ -296,10 +296,8 @@ class Simulation(ClientEventsJob, UpdatesJob, ResultsJob):
             torch.set_num_threads(previous)
 
     def _signature(self) -> tuple[Any, ...]:
-        core, policy = self.core, self.core.policy
-        is_open = getattr(policy, "open", None)
-        return (core.version, core.done, getattr(policy, "round", 0), is_open,
-                len(core.sessions) if not is_open else -1)
+        """What held long polls wait on: the core's task signature, as the gRPC servicer's."""
+        return self.core.task_signature()
 
     def _after_event(self) -> None:
         core = self.core

@@ -1,0 +1,70 @@
+"""GetTask long polls on a live loopback server wake when the answer they wait for can change,
+not at every accepted update: a sync round of n clients would otherwise re-ask the core for
+every waiting poll at every push (O(n^2) task calls per round on the event loop)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from murmura.client import GrpcTransport
+from murmura.protocols import Action, DeviceProfile
+
+from .test_grpc import ONES, header, small_core
+from .test_tier import wait_until
+
+pytestmark = pytest.mark.integration
+
+N = 8        # the cohort
+WAITING = 4  # clients that pushed early and wait for the next round
+
+
+def test_waiting_polls_are_not_woken_by_pushes_that_change_nothing_they_wait_for(serve) -> None:
+    # Prepare: a sync round of N clients; count the core's task calls
+    core = small_core(min_clients=N, cohort_size=N, max_versions=2, round_deadline_s=1e9)
+    calls = [0]
+    task = core.task
+
+    def counted(session: str) -> Any:
+        calls[0] += 1
+        return task(session)
+
+    core.task = counted  # type: ignore[method-assign]
+    srv = serve(core)
+    t = GrpcTransport(srv.address, timeout_s=10)
+    sessions = [t.join(f"c{i}", DeviceProfile())[0].session for i in range(N)]
+    for s in sessions:
+        assert t.task(s, 0).action == Action.TRAIN
+    for s in sessions[:WAITING]:
+        t.push(header(s, ONES), ONES)
+    got: dict[int, Any] = {}
+
+    def poll(i: int) -> None:
+        got[i] = t.task(sessions[i], 10.0)
+
+    before = calls[0]
+    threads = [threading.Thread(target=poll, args=(i,)) for i in range(WAITING)]
+    for th in threads:
+        th.start()
+    wait_until(lambda: calls[0] >= before + WAITING)  # every poll asked once, and waits
+    asked = calls[0]
+    # Execute: three more pushes; the round stays open (one client is still missing)
+    start = time.monotonic()
+    for s in sessions[WAITING:N - 1]:
+        t.push(header(s, ONES), ONES)
+    time.sleep(0.05)
+    woken = calls[0] - asked
+    elapsed = time.monotonic() - start
+    # Assert: no poll re-asked for those pushes (a poll also re-asks every 0.5 s, as a
+    # safety net for deadlines: allow that); then the last push ends the round and every
+    # poll gets its next task at once
+    ticks = WAITING * (int(elapsed / 0.5) + 1)
+    assert woken <= ticks < WAITING * (N - 1 - WAITING), (woken, ticks)
+    t.push(header(sessions[N - 1], ONES), ONES)
+    for th in threads:
+        th.join(timeout=5)
+    assert all(got[i].action == Action.TRAIN and got[i].round == 2 for i in range(WAITING))
+    t.close()
