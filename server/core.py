@@ -367,13 +367,15 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
     def task_signature(self) -> tuple[Any, ...]:
         """What a waiting client's task answer depends on: while it is unchanged, a client
         told to wait would be told to wait again. A held GetTask poll (and a simulated one)
-        asks again only when it changes: the version, the end of the run, the policy's round
-        and whether it is open, the sessions while no round is open (joins may open one), and
-        a policy's own ``task_epoch`` (secure aggregation's stages)."""
+        asks again only when it changes: the version (and whether one is installed), the end of
+        the run, a version being published, the policy's round and whether it is open, the
+        sessions while no round is open (joins may open one), and a policy's own
+        ``task_epoch`` (secure aggregation's stages)."""
         policy = self.policy
         is_open = getattr(policy, "open", None)
-        return (self.version, self.done, self.publishing, getattr(policy, "round", 0), is_open,
-                len(self.sessions) if not is_open else -1, getattr(policy, "task_epoch", 0))
+        return (self.version, self.ready, self.done, self.publishing,
+                getattr(policy, "round", 0), is_open, len(self.sessions) if not is_open else -1,
+                getattr(policy, "task_epoch", 0))
 
     def derive_seed(self, *parts: object) -> int:
         """A 63-bit seed from the run seed and ``parts``; stable across processes and runs."""
