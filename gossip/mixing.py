@@ -23,16 +23,9 @@ import numpy as np
 
 from murmura.aggregation import SybilWeighting, create_aggregator
 from murmura.protocols import FlatVector
-from murmura.protocols.options import parse_options as _parse_options
+from murmura.protocols.options import parse_options  # the server's reading of rule options
 
 __all__ = ["mix", "parse_options"]
-
-
-def parse_options(options: Mapping[str, str]) -> dict[str, Any]:
-    """Rule options from strings, numbers parsed (``none`` means None): the server's parsing
-    (:func:`murmura.protocols.options.parse_options`), so a rule reads the same values in
-    both modes."""
-    return _parse_options(options)
 
 
 def mix(own: FlatVector, received: Sequence[tuple[str, FlatVector]], *, rule: str = "fedavg",

@@ -1,5 +1,4 @@
-"""The flat key namespace of a nested config (option strings are parsed by
-:mod:`murmura.protocols.options`, re-exported here).
+"""The flat key namespace of a nested config.
 
 People name the server's settings flat: ``--buffer-size 5`` on the command line,
 ``buffer_size = 5`` in a config file's ``[server]`` table, ``ServerConfig.from_flat(...)`` in
@@ -17,9 +16,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from murmura.protocols.options import parse_option
-
-__all__ = ["FlatKeys", "parse_option"]
+__all__ = ["FlatKeys"]
 
 #: A flat key's place: the root's sub-config field ('' for the root's own), the class that
 #: declares the field, and the field.
