@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes
@@ -61,35 +60,17 @@ def expand_words(
     bits, ``uint64`` above, not yet reduced to the ring. Sums of them in that dtype wrap
     modulo ``2**32`` or ``2**64``, which ``2**bits`` divides, so masks can be added and removed
     in the word dtype (half the memory traffic of ``uint64`` for 32-bit rings) and reduced
-    once at the end (:class:`MaskStreams` expands many without allocating)."""
-    encryptor = _encryptor(seed, length, bits=bits, round_id=round_id, purpose=purpose)
-    word = 4 if bits <= 32 else 8
-    stream = encryptor.update(bytes(word * length))
-    return np.frombuffer(stream, dtype="<u4" if word == 4 else "<u8")
-
-
-def _encryptor(seed: bytes, length: int, *, bits: int, round_id: int, purpose: str) -> Any:
-    """The ChaCha20 keystream of one mask, after checking its arguments."""
-    if len(seed) != SEED_BYTES:
-        raise ValueError(f"a mask seed has {SEED_BYTES} bytes, got {len(seed)}")
-    if length < 0:
-        raise ValueError(f"length must be non-negative, got {length}")
-    if not 2 <= bits <= 64:
-        raise ValueError(f"bits must be in [2, 64], got {bits}")
-    if purpose not in _PURPOSES:
-        raise ValueError(f"purpose must be one of {sorted(_PURPOSES)}, got {purpose!r}")
-    nonce = bytes(4) + _PURPOSES[purpose] + _u64(round_id)
-    return Cipher(algorithms.ChaCha20(seed, nonce), mode=None).encryptor()
+    once at the end (:class:`MaskStreams` expands many into one scratch buffer)."""
+    return MaskStreams(length, bits=bits).words(seed, round_id=round_id, purpose=purpose)
 
 
 class MaskStreams:
     """Expands many mask streams of one length into the same two scratch buffers.
 
-    :func:`expand_words` allocates a zero input and the output for every stream; a server that
-    unmasks a round with dropouts expands hundreds of them, and the fresh pages cost more than
-    the cipher (about 3x for 100,000 words). :meth:`words` gives the same words as
-    :func:`expand_words`, as a view that the next call overwrites: add it in, then expand the
-    next one.
+    A zero input and an output per stream cost more in fresh pages than the cipher does (about
+    3x for 100,000 words), and a server that unmasks a round with dropouts expands hundreds of
+    them. :meth:`words` returns a view that the next call overwrites: add it in, then expand
+    the next one.
     """
 
     def __init__(self, length: int, *, bits: int) -> None:
@@ -98,18 +79,22 @@ class MaskStreams:
         if not 2 <= bits <= 64:
             raise ValueError(f"bits must be in [2, 64], got {bits}")
         self.length, self.bits = length, bits
-        self._word = 4 if bits <= 32 else 8
-        self._zeros = bytes(self._word * length)
-        self._out = bytearray(self._word * length + 64)  # update_into's slack
+        self._dtype = np.dtype("<u4" if bits <= 32 else "<u8")
+        self._zeros = bytes(self._dtype.itemsize * length)
+        self._out = bytearray(self._dtype.itemsize * length + 64)  # update_into's slack
 
     def words(self, seed: bytes, *, round_id: int, purpose: str = "pair") -> np.ndarray:
-        """``expand_words(seed, length, bits=bits, round_id=round_id, purpose=purpose)``,
-        valid until the next call."""
-        encryptor = _encryptor(seed, self.length, bits=self.bits, round_id=round_id,
-                               purpose=purpose)
+        """The ``length`` keystream words of ``seed`` for this round and purpose (the
+        16-byte nonce: a zero block counter, the purpose tag, the round id), valid until the
+        next call."""
+        if len(seed) != SEED_BYTES:
+            raise ValueError(f"a mask seed has {SEED_BYTES} bytes, got {len(seed)}")
+        if purpose not in _PURPOSES:
+            raise ValueError(f"purpose must be one of {sorted(_PURPOSES)}, got {purpose!r}")
+        nonce = bytes(4) + _PURPOSES[purpose] + _u64(round_id)
+        encryptor = Cipher(algorithms.ChaCha20(seed, nonce), mode=None).encryptor()
         n = encryptor.update_into(self._zeros, self._out)
-        return np.frombuffer(self._out, dtype="<u4" if self._word == 4 else "<u8",
-                             count=n // self._word)
+        return np.frombuffer(self._out, dtype=self._dtype, count=n // self._dtype.itemsize)
 
 
 def expand_mask(
