@@ -62,7 +62,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from murmura.protocols import ModelSpec, TaskSettings
-from murmura.simulation.config import CPU_CHUNK, ZO_AMP, resolve_device
+from murmura.simulation.config import AMP, CPU_CHUNK, ZO_AMP, resolve_device
 from murmura.simulation.execution import Executor, Index, Job, JobResult, ModelFactory
 from murmura.simulation.schedules import (
     ChunkSchedule,
@@ -141,7 +141,7 @@ class VectorisedExecutor(Executor):
                  loss: PerSampleLoss = _cross_entropy, weight_decay: float = 0.0,
                  max_grad_norm: float = 0.0, device: str | torch.device = "cpu",
                  memory_fraction: float = AUTO_MEMORY_FRACTION, amp: str = "off") -> None:
-        if amp not in ("off", "bf16"):
+        if amp not in AMP:
             raise ValueError(f"amp must be 'off' or 'bf16', got {amp!r}")
         if chunk_size < 0:
             raise ValueError(f"chunk_size must be >= 1, or 0 (auto), got {chunk_size}")
