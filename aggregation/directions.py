@@ -13,7 +13,8 @@ import numpy.typing as npt
 
 from murmura.aggregation.base import AggregationError
 
-__all__ = ["cosine_matrix", "dnc_outliers", "majority_cluster", "spectral_z", "unit_rows"]
+__all__ = ["cosine_matrix", "dnc_outliers", "linkage_group", "majority_cluster", "spectral_z",
+           "unit_rows"]
 
 Floats = npt.NDArray[np.float64]
 Mask = npt.NDArray[np.bool_]
@@ -42,6 +43,18 @@ def majority_cluster(distances: npt.ArrayLike, *, min_size: int | None = None) -
     members are the points it labels (the others are its outliers). Ties in distance merge in
     index order, so the result is deterministic.
     """
+    return linkage_group(distances, min_size=min_size)[0]
+
+
+def linkage_group(distances: npt.ArrayLike, *, min_size: int | None = None
+                  ) -> tuple[Mask, float]:
+    """:func:`majority_cluster` and the height at which it formed: the distance of the
+    single-linkage merge that brought it to ``min_size`` points (0 when no merge was needed).
+
+    Every point within that height of a member belongs to the group, so the height also
+    decides which *other* points (not in the matrix) would have joined it: those whose
+    nearest member is no farther (see the default rule's direction stage).
+    """
     d = np.asarray(distances, dtype=np.float64)
     n = d.shape[0]
     if d.shape != (n, n) or n == 0:
@@ -50,7 +63,7 @@ def majority_cluster(distances: npt.ArrayLike, *, min_size: int | None = None) -
     if not 1 <= size <= n:
         raise AggregationError(f"min_size must be in [1, {n}], got {size}")
     if size == 1 or n == 1:
-        return np.ones(n, dtype=bool)
+        return np.ones(n, dtype=bool), 0.0
     parent = np.arange(n)
     count = np.ones(n, dtype=np.int64)
 
@@ -73,8 +86,8 @@ def majority_cluster(distances: npt.ArrayLike, *, min_size: int | None = None) -
         if count[a] >= size:
             roots = np.fromiter((root(i) for i in range(n)), dtype=np.intp, count=n)
             mask: Mask = roots == a
-            return mask
-    return np.ones(n, dtype=bool)  # unreachable: n points always merge into one component
+            return mask, float(w[e])
+    return np.ones(n, dtype=bool), math.inf  # unreachable: n points always merge into one
 
 
 def dnc_outliers(x: npt.ArrayLike, *, f: int, c: float = 1.0, iterations: int = 5,

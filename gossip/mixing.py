@@ -25,7 +25,14 @@ from murmura.aggregation import SybilWeighting, create_aggregator
 from murmura.protocols import FlatVector
 from murmura.protocols.options import parse_options  # the server's reading of rule options
 
-__all__ = ["mix", "parse_options"]
+__all__ = ["GOSSIP_DEFAULT_OPTIONS", "mix", "parse_options"]
+
+#: What a peer's ``default`` rule runs without unless its options say otherwise: the
+#: direction stage (aggregation/sybil.py) judges a buffer of updates made on one model; a
+#: peer's neighbours send models whose differences from its own carry their whole histories,
+#: and on the robustness benchmark's gossip runs the stage raised the honest peers' backdoor
+#: success (distinct peers 95.7 -> 97.7%, 50%-jitter clones 65.0 -> 72.8%, worst seed).
+GOSSIP_DEFAULT_OPTIONS: dict[str, Any] = {"direction_trim": 0.0}
 
 
 def mix(own: FlatVector, received: Sequence[tuple[str, FlatVector]], *, rule: str = "fedavg",
@@ -60,7 +67,10 @@ def mix(own: FlatVector, received: Sequence[tuple[str, FlatVector]], *, rule: st
         # the weights are the trust alone (own model 1), as before the screen.
         given = [float(t) for t in trust]
         own_weight = 1.0
-    agg = create_aggregator(rule, own.size, **dict(options or {}))
+    settings = dict(options or {})
+    if rule == "default":  # see GOSSIP_DEFAULT_OPTIONS
+        settings = {**GOSSIP_DEFAULT_OPTIONS, **settings}
+    agg = create_aggregator(rule, own.size, **settings)
     agg.add(np.zeros_like(own), float(own_weight), client_id=owner)
     for sender, delta, weight in zip(senders, deltas, given, strict=True):
         if weight > 0:  # a zero-trust neighbour is left out, not given a vote

@@ -107,7 +107,8 @@ def test_honest_non_iid_clients_keep_full_weight_and_keep_the_default_near_fedav
             for i, u in enumerate(honest):
                 agg.add(u, 10.0 + i, client_id=f"h{i}")
         out, clipped, plain = default.result(), cclip.result(), fedavg.result()
-        assert np.all(default.last_weights >= 0.99) and len(default.last_voters) == 10
+        # every one keeps its Sybil weight; the direction stage leaves out at most a quarter
+        assert np.all(default.last_weights >= 0.99) and len(default.last_voters) >= 8
         assert np.linalg.norm(clipped - plain) <= 0.05 * np.linalg.norm(plain)
         # The median gives up some averaging, but stays on the honest mean's side.
         cos = float(out @ plain / np.linalg.norm(out) / np.linalg.norm(plain))
@@ -379,7 +380,7 @@ def test_default_takes_its_clipping_range_from_a_reproducible_subset_and_average
     x = np.random.default_rng(14).standard_normal((20, 50)).astype(np.float32)
     results, stats = [], []
     for _ in range(2):
-        agg = create_aggregator("default", 50, max_rows=7, seed=3)
+        agg = create_aggregator("default", 50, max_rows=7, seed=3, direction_trim=0.0)
         for i, u in enumerate(x):
             agg.add(u, 1.0, client_id=f"c{i}")
         results.append(agg.result())
@@ -416,7 +417,7 @@ def test_a_small_buffer_that_attackers_fill_is_screened_with_earlier_voters() ->
     out = {}
     for history in (0, 32):
         # the collusion screen would catch these attackers too: off, to test history alone
-        agg = create_aggregator("default", P, history=history, screen=False)
+        agg = create_aggregator("default", P, history=history, screen=False, direction_trim=0.0)
         _feed(agg, honest[:5].astype(np.float32), h_ids[:5])
         _feed(agg, honest[5:].astype(np.float32), h_ids[5:])
         out[history] = _feed(agg, last, a_ids + h_ids[:2])
@@ -464,14 +465,14 @@ def test_default_gives_no_vote_to_updates_far_longer_than_the_median() -> None:
     rng = np.random.default_rng(15)
     honest = (np.full(P, 1.0 / np.sqrt(P)) + rng.standard_normal((6, P)) / np.sqrt(P))
     x = np.concatenate([honest, -20 * honest[:2]]).astype(np.float32)
-    agg = create_aggregator("default", P)
+    agg = create_aggregator("default", P, direction_trim=0.0)
     for i, u in enumerate(x):
         agg.add(u, 1.0, client_id=f"c{i}")
     out = agg.result()
     np.testing.assert_array_equal(agg.last_voters, np.arange(6))
     np.testing.assert_allclose(out, huber_mean(honest.astype(np.float32), c=agg.huber_c),
                                rtol=1e-6)
-    plain = create_aggregator("default", P, norm_cap=None)
+    plain = create_aggregator("default", P, norm_cap=None, direction_trim=0.0)
     for i, u in enumerate(x):
         plain.add(u, 1.0, client_id=f"c{i}")
     assert len(plain.result()) == P and len(plain.last_voters) == 8
@@ -485,7 +486,7 @@ def test_default_is_close_to_the_mean_on_honest_spread_and_huber_c_zero_is_the_m
     w = rng.uniform(10.0, 30.0, 15)
 
     def run(**options: float) -> np.ndarray:
-        agg = create_aggregator("default", P, **options)
+        agg = create_aggregator("default", P, **options, direction_trim=0.0)
         for i, (u, wi) in enumerate(zip(x, w, strict=True)):
             agg.add(u, float(wi), client_id=f"c{i}")
         return agg.result()
@@ -529,13 +530,13 @@ def test_default_caps_a_claimed_example_count() -> None:
     x = x.astype(np.float32)
 
     def run(claim: float, **options: float | None) -> np.ndarray:
-        agg = create_aggregator("default", P, **options)
+        agg = create_aggregator("default", P, **options, direction_trim=0.0)
         for i, u in enumerate(x):
             agg.add(u, claim if i == 0 else 10.0, client_id=f"c{i}")
         return agg.result()
 
     capped, uncapped = run(1e9), run(1e9, weight_cap=None)
-    agg_c = create_aggregator("default", P).huber_c
+    agg_c = create_aggregator("default", P, direction_trim=0.0).huber_c
     expected = huber_mean(x, c=agg_c, weights=np.array([40.0] + [10.0] * 9))
     np.testing.assert_allclose(capped, expected, rtol=1e-5, atol=1e-7)
     # uncapped, the attacker owns the result within its clipping range
