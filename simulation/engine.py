@@ -256,7 +256,7 @@ class Simulation(ClientEventsJob, UpdatesJob, ResultsJob):
                 self._schedule(0.0, _ONLINE, c)
             elif math.isfinite(t):
                 self._schedule(t, _ONLINE, c)
-        self._sig = self._signature()
+        self._sig = self.core.task_signature()  # what held long polls wait on
 
     def advance(self, until_s: float = math.inf) -> bool:
         """Process events up to virtual time ``until_s``; False once the run is over."""
@@ -304,10 +304,6 @@ class Simulation(ClientEventsJob, UpdatesJob, ResultsJob):
             torch.set_num_threads(previous)
             gc.set_threshold(*collector)
 
-    def _signature(self) -> tuple[Any, ...]:
-        """What held long polls wait on: the core's task signature, as the gRPC servicer's."""
-        return self.core.task_signature()
-
     def _after_event(self) -> None:
         core = self.core
         if self.secagg is not None:  # a deadline may have closed the round's keys stage
@@ -323,7 +319,7 @@ class Simulation(ClientEventsJob, UpdatesJob, ResultsJob):
             self._sig = sig
             if self.waiting:
                 self._wake()
-                self._sig = self._signature()
+                self._sig = core.task_signature()
         policy = core.policy
         if getattr(policy, "open", False):  # a round's deadline is a tick event
             deadline = getattr(policy, "deadline", math.inf)
