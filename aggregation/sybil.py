@@ -363,12 +363,10 @@ class RobustDefault(SybilMean):
         if pointed.sum() < 3:
             return rows
         ref = self._sketches[self.stat_rows(rows[pointed])]
-        if ref.shape[0] < self.max_rows and self._past_slots:  # a small buffer: add history
-            here = {ids[r] for r in rows}
-            slots = [slot for cid, slot in reversed(self._past_slots.items())
-                     if cid not in here][:self.max_rows - ref.shape[0]]
-            if slots:
-                ref = np.vstack([ref, self._past_sketch[slots]])
+        if ref.shape[0] < self.max_rows:  # a small buffer: add the history's rows
+            others = self._others({ids[r] for r in rows}, self.max_rows - ref.shape[0])
+            if others:
+                ref = np.vstack([ref, self._past_sketch[[self._past_slots[c] for c in others]]])
         if ref.shape[0] < MIN_DIRECTION_ROWS:  # too few rows to tell a group from noise
             return rows
         size = math.ceil((1.0 - self.direction_trim) * ref.shape[0])
@@ -429,6 +427,10 @@ class RobustDefault(SybilMean):
                           extra=None if extra is None else self._past, extra_rows=extra,
                           tail=self.head, tail_c=self.head_c)
 
+    def _others(self, here: set[str], room: int) -> list[str]:
+        """Up to ``room`` clients with a history row, newest first, none of them in ``here``."""
+        return [cid for cid in reversed(self._past_slots) if cid not in here][:max(room, 0)]
+
     def _history_rows(self, x: Stack, ids: list[str], rows: npt.NDArray[np.intp]
                       ) -> npt.NDArray[np.intp] | None:
         """Rows of the history for this buffer's statistic (newest first, clients not in the
@@ -442,8 +444,7 @@ class RobustDefault(SybilMean):
             keep = list(latest.items())[-self.history:]
             self._pending = [(cid, x[r], self._sketches[r]) for cid, r in keep]
             self._noted = True
-        room = self.max_rows - self.last_stat_rows.size
-        picked = [cid for cid in reversed(self._past_slots) if cid not in here][:max(room, 0)]
+        picked = self._others(here, self.max_rows - self.last_stat_rows.size)
         self.last_history = picked
         if not picked:
             return None
