@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import cast
+from typing import NoReturn, cast
 
 import grpc
 
@@ -33,6 +33,7 @@ from murmura.server.futures import wait_for_thread
 from murmura.server.limits import check_number
 from murmura.server.secagg import AdvertisedKeys, ClientView, SecAggRound
 from murmura.server.secagg_policy import SecAggAsyncPolicy, SecAggPolicy
+from murmura.server.service import HELD_POLL_RECHECK_S
 
 SERVICE = "murmura.v1.SecureAggregation"
 MAX_WAIT_S = 30.0
@@ -67,9 +68,10 @@ class SecureAggregationServicer:
                                      reason="secure aggregation off")
         return policy
 
-    async def _abort(self, context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: ServiceError) -> NoReturn:
         self.core.count_refusal(exc)
         await context.abort(grpc.StatusCode[exc.status], exc.message)
+        raise exc  # not reached: context.abort raises
 
     @staticmethod
     def _parsed(request: object) -> None:
@@ -191,19 +193,32 @@ class SecureAggregationServicer:
             await self._abort(context, exc)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(request.wait_s, 0.0), MAX_WAIT_S)
+        seen: tuple[int, bool] | None = None
+        view: ClientView | None = None
         while True:
             event = self._changed_event()
-            try:
-                view = policy.view(self.core.client_for(request.session), request.round)
-            except ServiceError as exc:
-                await self._abort(context, exc)
+            # The answer a held poll waits for (its stage) moves only with the policy's
+            # task_epoch, or when the session ends: other core changes (every push, join or
+            # leave of the run) wake the poll without re-viewing the round, which costs a
+            # neighbourhood's worth of work per waiting client.
+            mark = (policy.task_epoch, request.session in self.core.sessions)
+            if mark != seen or view is None:
+                seen = mark
+                try:
+                    view = policy.view(self.core.client_for(request.session), request.round)
+                except ServiceError as exc:
+                    await self._abort(context, exc)
+                if int(view.stage) != request.after:
+                    return _state_to_proto(view)
+            assert view is not None  # viewed above
             remaining = deadline - loop.time()
-            if int(view.stage) != request.after or remaining <= 0:
+            if remaining <= 0:
                 return _state_to_proto(view)
             try:
-                await asyncio.wait_for(event.wait(), timeout=min(remaining, 0.5))
+                await asyncio.wait_for(event.wait(),
+                                       timeout=min(remaining, HELD_POLL_RECHECK_S))
             except asyncio.TimeoutError:
-                pass
+                seen = None  # the safety net: look again whatever the marks say
 
 
 def _check_and_fold(sa: SecAggRound, header: object, payload: bytearray,

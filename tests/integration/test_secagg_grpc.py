@@ -281,6 +281,55 @@ def test_bad_steps_get_precise_statuses_and_change_nothing(
     outsider_t.close()
 
 
+def test_a_held_poll_is_not_re_viewed_for_changes_that_leave_its_stage(
+        serve: Callable[..., ServerThread]) -> None:
+    # Prepare: a round of three at stage KEYS; client 0 advertised and holds a poll for the
+    # next stage; the round's views are counted
+    srv = serve(3, secagg_step_timeout_s=120.0)
+    clients = _joined(srv.address, 3)
+    for transport, _, session in clients:
+        assert transport.task(session, 5.0).action.name == "TRAIN"
+    policy = srv.core.policy
+    params = srv.core.config.privacy.secagg_params()
+    links = [t.secagg_link() for t, _, _ in clients]
+    secrets = [SecAggClient(k.client_id, 1, params, identity=k, require_identity=True)
+               for _, k, _ in clients]
+
+    def advertise(i: int) -> None:
+        mask_pk, enc_pk, commit, sig = secrets[i].keys()
+        links[i].advertise(pb.SecAggKeys(session=clients[i][2], round=1,
+                                         mask_public_key=mask_pk, enc_public_key=enc_pk,
+                                         self_commitment=commit, signature=sig))
+
+    views = [0]
+    view = policy.view
+
+    def counted(rec: Any, round_id: int) -> Any:
+        views[0] += 1
+        return view(rec, round_id)
+
+    policy.view = counted
+    advertise(0)
+    got: list[Any] = []
+    poller = threading.Thread(target=lambda: got.append(
+        links[0].poll(clients[0][2], 1, pb.SecAggState.KEYS, 20.0)))
+    poller.start()
+    wait_until(lambda: views[0] >= 1, 10, "the poll's first view")
+    # Execute: five other clients join (each a change of the core, none of the round's
+    # stage), then the last two members advertise
+    others = _joined(srv.address, 5)
+    viewed_while_joining = views[0]
+    advertise(1)
+    advertise(2)
+    poller.join(timeout=10)
+    # Assert: the joins woke the poll without a view of the round; the stage's move
+    # answered it with the next stage
+    assert viewed_while_joining == 1, viewed_while_joining
+    assert got and got[0].stage == pb.SecAggState.SHARES
+    for transport, _, _ in clients + others:
+        transport.close()
+
+
 def test_push_is_refused_and_no_service_without_secure_aggregation(
         serve: Callable[..., ServerThread]) -> None:
     srv = serve(2)
