@@ -528,6 +528,10 @@ def run_cell(args: tuple[str, Scenario, str, int, int, int, TaskSettings]) -> di
     result = engine.run()
     m = np.array([h.metrics(p, trigger_of(sc)) for p in history[-LAST:]])
     backdoor = is_backdoor(sc)
+    # With no attack: how often each trigger alone sends an image to the target (the floor a
+    # backdoor's success is read against: a trigger on pixels honest digits use moves some)
+    natural = ({t: float(np.mean([h.metrics(p, t)[2] for p in history[-LAST:]]))
+                for t in TRIGGERS} if sc.attack == "none" else None)
     # Versions holding a malicious Sybil update in which one still had weight > LOST.
     lag = sum(1 for w in kept if w > LOST) if kept else None
     return {"defence": defence, "attack": sc.attack, "share": sc.share, "scenario": sc.label,
@@ -536,7 +540,7 @@ def run_cell(args: tuple[str, Scenario, str, int, int, int, TaskSettings]) -> di
             "success": float(m[:, 2 if backdoor else 3 if sc.attack == "flip-3-8" else 1]
                              .mean()),
             "backdoor_success": float(m[:, 2].mean()),
-            "flip_source_accuracy": float(m[:, 4].mean()),
+            "flip_source_accuracy": float(m[:, 4].mean()), "natural": natural,
             "sybil_weights_after_switch": kept, "sybil_lag": lag,
             "versions": result.version, "seconds": time.perf_counter() - t0,
             "staleness": {str(s): n for s, n in sorted(result.staleness.items())},
@@ -735,7 +739,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "backdoor_success_per_seed": [r["backdoor_success"]
                                                               for r in rs],
                                 "flip_source_accuracy_per_seed": [r["flip_source_accuracy"]
-                                                                  for r in rs]})
+                                                                  for r in rs],
+                                "natural_per_seed": [r["natural"] for r in rs]})
 
     def have(mode: str, defence: str, label: str) -> bool:
         return any(r["mode"] == mode and r["defence"] == defence and r["scenario"] == label
@@ -803,6 +808,12 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         if not have(mode, "default", "no attack"):  # a development run without default
             continue
+        floors = get(mode, "default", "no attack")["natural_per_seed"]
+        report.note(f"{mode}: each trigger's floor, images stamped with it that default's "
+                    f"model read as {TARGET} with no attack at all (worst seed): "
+                    + ", ".join(f"{t} {_pct(max(n[t] for n in floors))}" for t in TRIGGERS)
+                    + ". A trigger on pixels honest digits use moves some images by itself; "
+                    "a backdoor's success is read against it.")
         base = seeds_of(mode, "fedavg", "no attack", "accuracy")  # per seed
 
         def cost(defence: str, label: str, mode: str = mode,
@@ -851,15 +862,17 @@ def main(argv: list[str] | None = None) -> int:
                 s = seeds_of(mode, "default", label, "success")
                 f = (seeds_of(mode, "fedavg", label, "success")
                      if have(mode, "fedavg", label) else None)
-                clean = seeds_of(mode, "default", "no attack", "backdoor_success")
+                trigger = trigger_of(Scenario(attack, share, True))
+                clean = np.array([n[trigger] for n in
+                                  get(mode, "default", "no attack")["natural_per_seed"]])
                 report.target(f"{mode}: default, {label}, backdoor success (worst seed)",
                               float(100 * s.max()), "<=",
                               5 if share < 0.15 or attack.startswith("backdoor") else 10,
                               unit="%",
                               detail=f"per seed {per_seed_pct(s)}; FedAvg "
                               f"{per_seed_pct(f) if f is not None else 'not run'}; "
-                              f"triggered images read as {TARGET} with no attack: default "
-                              f"{per_seed_pct(clean)}")
+                              f"images with this trigger read as {TARGET} with no attack "
+                              f"(the floor): default {per_seed_pct(clean)}")
         for attack in ("sybil-switch", "sybil-recraft"):
             if not have(mode, "default", f"{attack} 20%"):
                 continue
