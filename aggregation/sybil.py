@@ -353,7 +353,7 @@ class RobustDefault(SybilMean):
 
     def direction_group(self, rows: npt.NDArray[np.intp], ids: list[str]
                         ) -> npt.NDArray[np.intp]:
-        """Step 3: the voters whose direction lies within the tightest single-linkage group
+        """Stage 2b: the voters whose direction lies within the tightest single-linkage group
         of ``1 - direction_trim`` of the reference rows (all voters, or ``max_rows`` of them,
         plus the history's rows when the buffer is small), on the rows' count sketches."""
         if self.direction_trim == 0:
@@ -410,7 +410,7 @@ class RobustDefault(SybilMean):
         t = self.screen_weights(s, factors, ids, first)
         rows = self.direction_group(self.voters(s * t, norms), ids)
         # the weight each row votes with in the end: 0 outside the voters (clones, screened,
-        # or too long)
+        # too long, or outside the direction group)
         self.last_effective = np.zeros(len(ids))
         self.last_effective[rows] = (s * t)[rows]
         self.last_voters = rows
