@@ -35,6 +35,7 @@ from murmura.aggregation.base import (
     FlatVector,
     register_aggregator,
 )
+from murmura.aggregation.columns import THREADS, ColumnRunner, scale_into
 from murmura.aggregation.robust_stats import (
     Floats,
     Stack,
@@ -85,21 +86,45 @@ class RobustAggregator(BufferedAggregator):
     ``reset()``), so ``result()`` needs no second (n, P) copy: memory is n x P x 4 bytes, and
     pages are touched once, not every round. Rows are stored already multiplied by their
     staleness factor, which is all the rules need.
+
+    ``columns`` runs the rule's per-coordinate work (aggregation/columns.py): threads by
+    default; :meth:`use_columns` hands it, and the arrays it must read, to another runner.
     """
 
     def __init__(self, size: int) -> None:
         super().__init__(size)
+        self.columns: ColumnRunner = THREADS
         self._rows = np.empty((0, size), dtype=np.float32)
+
+    def use_columns(self, runner: ColumnRunner) -> None:
+        """Run the per-coordinate work with ``runner``; the buffers it reads move into arrays
+        that ``runner`` allocated (their contents kept), so it can share them in place."""
+        old, self.columns = self.columns, runner
+        self._rows = self._in_runner(self._rows, old, len(self._weights))
+
+    def _in_runner(self, array: npt.NDArray[np.float32], old: ColumnRunner,
+                   used: int) -> npt.NDArray[np.float32]:
+        """``array`` in an array of :attr:`columns` (its first ``used`` rows copied: the rest
+        were never written); ``old``'s array is given back."""
+        moved = self.columns.allocate(array.shape, array.dtype)
+        moved[:used] = array[:used]
+        old.release(array)
+        return moved
 
     def add(self, update: FlatVector, weight: float, *, factor: float = 1.0,
             client_id: str = "") -> None:
         self._check(update, weight, factor)
         n = len(self._weights)
         if n == self._rows.shape[0]:
-            grown = np.empty((max(8, 2 * n), self.size), dtype=np.float32)
+            grown = self.columns.allocate((max(16, 2 * n), self.size), np.float32)
             grown[:n] = self._rows[:n]
+            self.columns.release(self._rows)
             self._rows = grown
-        np.multiply(update, np.float32(factor), out=self._rows[n], casting="unsafe")
+        if self.columns is THREADS:
+            np.multiply(update, np.float32(factor), out=self._rows[n], casting="unsafe")
+        else:  # one job: a server's workers copy it in when the update is in shared memory
+            self.columns.run(scale_into, {"src": update, "dst": self._rows},
+                             (n, float(factor)), None, self.size, unit=max(self.size, 1))
         self._weights.append(float(weight))
         self._factors.append(float(factor))
         self._ids.append(client_id)
@@ -122,7 +147,7 @@ class RobustAggregator(BufferedAggregator):
         return self._run(x, np.asarray(weights, dtype=np.float64), f, list(client_ids))
 
     def _run(self, x: Stack, weights: Floats, factors: Floats, ids: list[str]) -> FlatVector:
-        norms = row_norms(x)
+        norms = row_norms(x, runner=self.columns)
         finite = np.isfinite(norms)
         if not finite.all():
             dropped = [ids[i] or f"#{i}" for i in np.flatnonzero(~finite)]
@@ -208,7 +233,7 @@ class CoordinateMedian(RobustAggregator):
 
     def _robust(self, x: Stack, weights: Floats, factors: Floats, norms: Floats,
                 ids: list[str]) -> FlatVector:
-        return coordinate_median(x)
+        return coordinate_median(x, runner=self.columns)
 
 
 class TrimmedMean(RobustAggregator):
@@ -244,7 +269,7 @@ class TrimmedMean(RobustAggregator):
 
     def _robust(self, x: Stack, weights: Floats, factors: Floats, norms: Floats,
                 ids: list[str]) -> FlatVector:
-        return trimmed_mean(x, trim_count=self.trim_count(x.shape[0]))
+        return trimmed_mean(x, trim_count=self.trim_count(x.shape[0]), runner=self.columns)
 
 
 class MultiKrum(RobustAggregator):

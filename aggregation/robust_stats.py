@@ -10,18 +10,19 @@ distances come from one Gram matrix (n x n), never from n^2 vector differences. 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from murmura.aggregation.base import AggregationError, FlatVector
+from murmura.aggregation.columns import BLOCK, THREADS, UNIT, ColumnRunner
 
 __all__ = [
     "Floats",
+    "HuberParams",
     "Stack",
     "check_weight_cap",
     "state_array",
@@ -30,10 +31,14 @@ __all__ = [
     "centered_clip",
     "clip_scales",
     "coordinate_median",
+    "huber_block",
     "huber_mean",
+    "median_block",
     "krum_scores",
     "pairwise_sq_distances",
     "row_norms",
+    "squares_unit",
+    "trimmed_block",
     "trimmed_mean",
     "weighted_median",
     "weighted_sum",
@@ -42,8 +47,7 @@ __all__ = [
 Floats = npt.NDArray[np.float64]
 Stack = npt.NDArray[np.float32]
 
-# Columns per block: 8192 x 1000 updates x 4 B = 32 MB of temporaries per block.
-_BLOCK = 8192
+_BLOCK = BLOCK  # columns per block (aggregation/columns.py)
 
 
 # --------------------------------------------------------------------------- pure functions
@@ -53,11 +57,29 @@ def _tensor(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
-def row_norms(x: Stack) -> Floats:
-    """Euclidean norm of each row; inf or NaN where a row is not finite or its square overflows."""
-    sq = np.einsum("ij,ij->i", x, x)
-    norms: Floats = np.sqrt(sq.astype(np.float64))
+def row_norms(x: Stack, *, runner: ColumnRunner = THREADS) -> Floats:
+    """Euclidean norm of each row; inf or NaN where a row is not finite or its square overflows
+    float32. Squares are summed in float32 per :data:`~murmura.aggregation.columns.UNIT`
+    columns and the partials in float64, in order, so ``runner`` can split the work."""
+    n, p = x.shape
+    units = max(-(-p // UNIT), 1)
+    parts = np.zeros((units, n), dtype=np.float64)
+    if p:
+        runner.run(squares_unit, {"x": x}, None, parts, p, unit=UNIT)
+    sq = parts[0].copy()
+    for part in parts[1:]:
+        sq += part
+    sq[sq > np.finfo(np.float32).max] = np.inf  # as a float32 sum of squares would overflow
+    norms: Floats = np.sqrt(sq)
     return norms
+
+
+def squares_unit(arrays: Mapping[str, np.ndarray | None], params: None, out: np.ndarray,
+                 a: int, b: int) -> None:
+    """Kernel of :func:`row_norms`: each row's sum of squares over columns ``a..b`` (one unit)."""
+    x = arrays["x"]
+    assert x is not None
+    out[a // UNIT] = np.einsum("ij,ij->i", x[:, a:b], x[:, a:b])
 
 
 def weighted_sum(x: Stack, coefficients: Floats) -> FlatVector:
@@ -112,38 +134,33 @@ def _column_blocks(p: int, block: int = _BLOCK) -> list[tuple[int, int]]:
     return [(a, min(a + block, p)) for a in range(0, p, block)]
 
 
-def _map_blocks(fn: Callable[[int, int], None], p: int) -> None:
-    # numpy's partition releases the GIL, so two threads use both cores of a small server.
-    blocks = _column_blocks(p)
-    workers = min(len(blocks), os.cpu_count() or 1, 8)
-    if workers <= 1:
-        for a, b in blocks:
-            fn(a, b)
-        return
-    with ThreadPoolExecutor(workers) as pool:
-        for _ in pool.map(lambda ab: fn(*ab), blocks):
-            pass
-
-
-def coordinate_median(x: Stack, *, rows: npt.NDArray[np.intp] | None = None) -> FlatVector:
+def coordinate_median(x: Stack, *, rows: npt.NDArray[np.intp] | None = None,
+                      runner: ColumnRunner = THREADS) -> FlatVector:
     """Coordinate-wise median (mean of the two middle values when n is even), O(n P).
 
-    ``rows`` restricts it to those rows of ``x`` without copying the whole selection at once.
+    ``rows`` restricts it to those rows of ``x`` without copying the whole selection at once;
+    ``runner`` runs the column blocks (aggregation/columns.py).
     """
     p = x.shape[1]
     n = x.shape[0] if rows is None else len(rows)
     if n == 0:
         raise AggregationError("median of no updates")
-    lo, hi = (n - 1) // 2, n // 2
     out = np.empty(p, dtype=np.float32)
-
-    def block(a: int, b: int) -> None:
-        cols = np.ascontiguousarray((x[:, a:b] if rows is None else x[rows, a:b]).T)
-        cols.partition([lo, hi] if hi != lo else lo, axis=1)
-        out[a:b] = 0.5 * (cols[:, lo] + cols[:, hi]) if hi != lo else cols[:, lo]
-
-    _map_blocks(block, p)
+    runner.run(median_block, {"x": x}, None if rows is None else np.asarray(rows, np.intp),
+               out, p)
     return out
+
+
+def median_block(arrays: Mapping[str, np.ndarray | None], rows: npt.NDArray[np.intp] | None,
+                 out: np.ndarray, a: int, b: int) -> None:
+    """Kernel of :func:`coordinate_median` for columns ``a..b``."""
+    x = arrays["x"]
+    assert x is not None
+    n = x.shape[0] if rows is None else len(rows)
+    lo, hi = (n - 1) // 2, n // 2
+    cols = np.ascontiguousarray((x[:, a:b] if rows is None else x[rows, a:b]).T)
+    cols.partition([lo, hi] if hi != lo else lo, axis=1)
+    out[a:b] = 0.5 * (cols[:, lo] + cols[:, hi]) if hi != lo else cols[:, lo]
 
 
 #: sigma = MAD_SCALE x MAD for Gaussian data (1 / Phi^-1(3/4)).
@@ -155,7 +172,8 @@ def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
                stat_rows: npt.NDArray[np.intp] | None = None,
                extra: Stack | None = None,
                extra_rows: npt.NDArray[np.intp] | None = None,
-               tail: int = 0, tail_c: float | None = None) -> FlatVector:
+               tail: int = 0, tail_c: float | None = None,
+               runner: ColumnRunner = THREADS) -> FlatVector:
     """Per coordinate, the weighted mean of the values clipped to median +- c x sigma.
 
     sigma = 1.4826 x MAD (median absolute deviation from the median), both over ``stat_rows``
@@ -183,7 +201,6 @@ def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
     p = x.shape[1]
     if not 0 <= tail <= p:
         raise AggregationError(f"huber tail must hold 0..{p} coordinates, got {tail}")
-    start_tail = p - tail if tail and tail_c is not None and tail_c != c else p
     take = np.arange(x.shape[0]) if rows is None else np.asarray(rows, dtype=np.intp)
     stat = take if stat_rows is None else np.asarray(stat_rows, dtype=np.intp)
     if extra is not None and (extra.ndim != 2 or extra.shape[1] != p):
@@ -191,53 +208,75 @@ def huber_mean(x: Stack, *, c: float, weights: Floats | None = None,
                                f"(k, {p})")
     more = (np.zeros(0, dtype=np.intp) if extra is None else np.arange(extra.shape[0])
             if extra_rows is None else np.asarray(extra_rows, dtype=np.intp))
-    k = len(more)
-    n, m = len(take), len(stat) + k
+    n = len(take)
     if n == 0 or len(stat) == 0:
         raise AggregationError("huber mean of no updates")
     w = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
     if w.shape != (n,) or not (np.all(w >= 0) and w.sum() > 0 and np.isfinite(w.sum())):
         raise AggregationError(f"huber mean needs {n} non-negative weights with a positive sum")
-    coeff = torch.from_numpy((w / w.sum()).astype(np.float32))
-    all_rows = n == x.shape[0] and rows is None
-    same = stat_rows is None and k == 0
-    lo_mid, hi_mid = (m - 1) // 2, m // 2
-    half = m // 2 + 1  # the MAD is the half-th smallest absolute deviation
-    bound = np.float32(c * MAD_SCALE)
-    bound_tail = np.float32((c if tail_c is None else tail_c) * MAD_SCALE)
+    params = HuberParams(
+        coeff=(w / w.sum()).astype(np.float32), take=take, stat=stat, more=more,
+        all_rows=n == x.shape[0] and rows is None, same=stat_rows is None and len(more) == 0,
+        bound=float(np.float32(c * MAD_SCALE)),
+        bound_tail=float(np.float32((c if tail_c is None else tail_c) * MAD_SCALE)),
+        start_tail=p - tail if tail and tail_c is not None and tail_c != c else p)
     out = np.empty(p, dtype=np.float32)
-
-    def block(a: int, b: int) -> None:
-        vals = x[:, a:b] if all_rows else x[take, a:b]
-        if same:
-            sel = vals
-        elif extra is not None and k:
-            sel = np.concatenate([x[stat, a:b], extra[more, a:b]])
-        else:
-            sel = x[stat, a:b]
-        srt = np.ascontiguousarray(sel.T)
-        srt.sort(axis=1)
-        med = 0.5 * (srt[:, lo_mid] + srt[:, hi_mid])
-        # Sorted values: any `half` of them closest to the median are consecutive, so the MAD
-        # is min over windows s[i..i+half-1] of max(med - s[i], s[i+half-1] - med).
-        left = med[:, None] - srt[:, : m - half + 1]
-        np.maximum(left, srt[:, half - 1:] - med[:, None], out=left)
-        if b <= start_tail:
-            radius = left.min(axis=1) * bound
-        else:  # this block reaches the tail: its columns from start_tail on use tail_c
-            scale = np.full(b - a, bound, dtype=np.float32)
-            scale[max(start_tail - a, 0):] = bound_tail
-            radius = left.min(axis=1) * scale
-        lo = torch.from_numpy(med - radius)
-        hi = torch.from_numpy(med + radius)
-        clipped = torch.clamp(torch.from_numpy(vals), min=lo, max=hi)
-        out[a:b] = (coeff @ clipped).numpy()
-
-    _map_blocks(block, p)
+    runner.run(huber_block, {"x": x, "extra": extra if len(more) else None}, params, out, p)
     return out
 
 
-def trimmed_mean(x: Stack, *, trim_count: int) -> FlatVector:
+@dataclass(frozen=True)
+class HuberParams:
+    """What :func:`huber_block` needs besides the rows: small, so it travels to a worker."""
+
+    coeff: npt.NDArray[np.float32]  # each averaged row's weight share
+    take: npt.NDArray[np.intp]  # the averaged rows of x
+    stat: npt.NDArray[np.intp]  # the rows of x in the statistic
+    more: npt.NDArray[np.intp]  # the rows of extra in the statistic
+    all_rows: bool  # take is every row of x, in order
+    same: bool  # the statistic is over exactly the averaged rows
+    bound: float  # c x MAD_SCALE, as float32
+    bound_tail: float  # tail_c x MAD_SCALE
+    start_tail: int  # the first column clipped with bound_tail (p: none)
+
+
+def huber_block(arrays: Mapping[str, np.ndarray | None], params: HuberParams,
+                out: np.ndarray, a: int, b: int) -> None:
+    """:func:`huber_mean` for columns ``a..b``: ``arrays`` holds ``x`` and ``extra``."""
+    x, extra = arrays["x"], arrays["extra"]
+    assert x is not None
+    q = params
+    m = len(q.stat) + len(q.more)
+    lo_mid, hi_mid = (m - 1) // 2, m // 2
+    half = m // 2 + 1  # the MAD is the half-th smallest absolute deviation
+    bound, bound_tail = np.float32(q.bound), np.float32(q.bound_tail)
+    vals = x[:, a:b] if q.all_rows else x[q.take, a:b]
+    if q.same:
+        sel = vals
+    elif extra is not None:
+        sel = np.concatenate([x[q.stat, a:b], extra[q.more, a:b]])
+    else:
+        sel = x[q.stat, a:b]
+    srt = np.ascontiguousarray(sel.T)
+    srt.sort(axis=1)
+    med = 0.5 * (srt[:, lo_mid] + srt[:, hi_mid])
+    # Sorted values: any `half` of them closest to the median are consecutive, so the MAD
+    # is min over windows s[i..i+half-1] of max(med - s[i], s[i+half-1] - med).
+    left = med[:, None] - srt[:, : m - half + 1]
+    np.maximum(left, srt[:, half - 1:] - med[:, None], out=left)
+    if b <= q.start_tail:
+        radius = left.min(axis=1) * bound
+    else:  # this block reaches the tail: its columns from start_tail on use tail_c
+        scale = np.full(b - a, bound, dtype=np.float32)
+        scale[max(q.start_tail - a, 0):] = bound_tail
+        radius = left.min(axis=1) * scale
+    lo = torch.from_numpy(med - radius)
+    hi = torch.from_numpy(med + radius)
+    clipped = torch.clamp(torch.from_numpy(vals), min=lo, max=hi)
+    out[a:b] = (torch.from_numpy(q.coeff) @ clipped).numpy()
+
+
+def trimmed_mean(x: Stack, *, trim_count: int, runner: ColumnRunner = THREADS) -> FlatVector:
     """Per coordinate, drop the ``trim_count`` largest and smallest values and average the rest."""
     n, p = x.shape
     k = trim_count
@@ -246,14 +285,19 @@ def trimmed_mean(x: Stack, *, trim_count: int) -> FlatVector:
     if k == 0:
         return (x.sum(axis=0, dtype=np.float64) / n).astype(np.float32)
     out = np.empty(p, dtype=np.float32)
-
-    def block(a: int, b: int) -> None:
-        cols = np.ascontiguousarray(x[:, a:b].T)
-        cols.partition([k, n - 1 - k] if n - 1 - k != k else k, axis=1)
-        out[a:b] = cols[:, k : n - k].sum(axis=1, dtype=np.float64) / (n - 2 * k)
-
-    _map_blocks(block, p)
+    runner.run(trimmed_block, {"x": x}, k, out, p)
     return out
+
+
+def trimmed_block(arrays: Mapping[str, np.ndarray | None], k: int, out: np.ndarray,
+                  a: int, b: int) -> None:
+    """Kernel of :func:`trimmed_mean` for columns ``a..b`` (``k`` trimmed per side)."""
+    x = arrays["x"]
+    assert x is not None
+    n = x.shape[0]
+    cols = np.ascontiguousarray(x[:, a:b].T)
+    cols.partition([k, n - 1 - k] if n - 1 - k != k else k, axis=1)
+    out[a:b] = cols[:, k : n - k].sum(axis=1, dtype=np.float64) / (n - 2 * k)
 
 
 def pairwise_sq_distances(x: Stack) -> Floats:

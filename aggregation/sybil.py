@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from murmura.aggregation.base import AggregationError, FlatVector, register_aggregator
 from murmura.aggregation.collusion import CollusionScreen
+from murmura.aggregation.columns import ColumnRunner, copy_rows
 from murmura.aggregation.directions import cosine_matrix, linkage_group, unit_rows
 from murmura.aggregation.robust import RobustAggregator
 from murmura.aggregation.robust_stats import (
@@ -83,7 +84,7 @@ class SybilMean(RobustAggregator):
             )
         if not self._committed:
             # Rows arrive scaled by their factor; the history needs only the direction.
-            sketches = self.scorer.sketch(x)
+            sketches = self.scorer.sketch(x, self.columns)
             self._sketches = sketches
             self.scorer.tick()
             for key, sketch, factor in zip(keys, sketches, factors, strict=True):
@@ -339,8 +340,9 @@ class RobustDefault(SybilMean):
         self._past = np.empty((self.history, size), dtype=np.float32)
         self._past_slots: OrderedDict[str, int] = OrderedDict()  # client -> row, oldest first
         self._past_sketch = np.zeros((self.history, dim))  # each history row's direction
-        # This buffer's voters (views of its rows, which stay put until reset()).
-        self._pending: list[tuple[str, FlatVector, Floats]] = []
+        # This buffer's voters: (client, row number, sketch); the rows stay put until reset().
+        self._pending: list[tuple[str, int, Floats]] = []
+        self._pending_rows: Stack | None = None  # the array _pending's row numbers index
         self._noted = False
 
     def voters(self, s: Floats, norms: Floats) -> npt.NDArray[np.intp]:
@@ -425,7 +427,15 @@ class RobustDefault(SybilMean):
         return huber_mean(x, c=self.huber_c, weights=w,
                           rows=None if rows.size == x.shape[0] else rows, stat_rows=stat,
                           extra=None if extra is None else self._past, extra_rows=extra,
-                          tail=self.head, tail_c=self.head_c)
+                          tail=self.head, tail_c=self.head_c, runner=self.columns)
+
+    def use_columns(self, runner: ColumnRunner) -> None:
+        """As :meth:`RobustAggregator.use_columns`; the history rows move too (the Huber
+        stage reads them as extra statistic rows)."""
+        old = self.columns
+        super().use_columns(runner)
+        # slots are handed out in order until the history is full
+        self._past = self._in_runner(self._past, old, len(self._past_slots))
 
     def _others(self, here: set[str], room: int) -> list[str]:
         """Up to ``room`` clients with a history row, newest first, none of them in ``here``."""
@@ -442,7 +452,8 @@ class RobustDefault(SybilMean):
             # Newest row per identified client; anonymous rows have no identity to count once.
             latest = {ids[r]: int(r) for r in rows if ids[r]}
             keep = list(latest.items())[-self.history:]
-            self._pending = [(cid, x[r], self._sketches[r]) for cid, r in keep]
+            self._pending = [(cid, r, self._sketches[r]) for cid, r in keep]
+            self._pending_rows = x
             self._noted = True
         picked = self._others(here, self.max_rows - self.last_stat_rows.size)
         self.last_history = picked
@@ -456,15 +467,22 @@ class RobustDefault(SybilMean):
             for key in self._anonymous:
                 self.screen.forget(key)
         super().reset()
+        src, dst = [], []
         for cid, row, sketch in self._pending:
             slot = self._past_slots.pop(cid, None)
             if slot is None:  # a free row while there is one, else the oldest client's
                 slot = len(self._past_slots) if len(self._past_slots) < self.history \
                     else self._past_slots.popitem(last=False)[1]
-            self._past[slot] = row
+            src.append(row)
+            dst.append(slot)
             self._past_sketch[slot] = sketch
             self._past_slots[cid] = slot
+        if src:  # the rows are copied by the column runner (in the workers, on a server)
+            self.columns.run(copy_rows, {"src": self._pending_rows, "dst": self._past},
+                             (np.array(src, dtype=np.intp), np.array(dst, dtype=np.intp)),
+                             None, self.size)
         self._pending = []
+        self._pending_rows = None
         self._noted = False
 
 

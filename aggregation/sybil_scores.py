@@ -9,7 +9,8 @@ its weight. What we do differently, and why:
 * **Bounded state.** A client's history is a ``dim``-value count sketch (random signs, bucket =
   index mod ``dim``) of its updates, not a model-sized vector. Inner products of sketches
   estimate inner products of updates without bias (error about 1/sqrt(dim) in cosine). The
-  signs come from a seeded generator, block by block, so nothing model-sized is stored.
+  signs come from a seeded generator, block by block; their bits are kept (one bit per
+  coordinate: 1.25 MB for 10M values) so that a sketch's column units can run anywhere.
   At most ``max_clients`` histories are kept; the least recently observed is evicted.
 * **Unit-length steps, not centred.** Each update enters the history as a unit vector scaled
   by its staleness factor, so no single round (or boosted update) dominates and stale updates
@@ -34,9 +35,10 @@ are in :mod:`murmura.aggregation.sybil`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -44,11 +46,12 @@ import numpy.typing as npt
 from murmura.aggregation.base import AggregationError, FlatVector
 from murmura.aggregation.client_rows import ClientRows
 from murmura.aggregation.collusion import CollusionScreen
+from murmura.aggregation.columns import THREADS, ColumnRunner, reduction_unit
 
 #: The tick of a last update never seen (far older than any ``recent`` window).
 _NEVER = -(2**40)
 
-__all__ = ["SybilWeighting", "similarity_weights", "sketch_rows"]
+__all__ = ["SybilWeighting", "sign_bits", "similarity_weights", "sketch_rows", "sketch_unit"]
 
 Floats = npt.NDArray[np.float64]
 
@@ -56,34 +59,79 @@ Floats = npt.NDArray[np.float64]
 _SKETCH_COLUMNS = 8192
 
 
-def sketch_rows(x: npt.NDArray[np.float32], *, dim: int, seed: int) -> Floats:
+def sketch_rows(x: npt.ArrayLike, *, dim: int, seed: int, runner: ColumnRunner = THREADS,
+                signs: npt.NDArray[np.uint8] | None = None) -> Floats:
     """Count sketch of each row of ``x`` (or of a single vector): shape (n, dim) or (dim,).
 
     Coordinate j goes to bucket j mod dim with a random sign drawn from ``seed``; the same seed
-    always gives the same signs, so sketches of different updates are comparable.
+    always gives the same signs, so sketches of different updates are comparable. ``signs``:
+    :func:`sign_bits` for these sizes, if the caller keeps them (where ``runner`` can share
+    them); ``runner`` splits the columns into units whose partial sketches are added in order.
     """
     if dim < 1:
         raise AggregationError(f"sketch dim must be >= 1, got {dim}")
-    single = x.ndim == 1
+    single = np.ndim(x) == 1
     rows = np.atleast_2d(np.asarray(x, dtype=np.float32))
     n, p = rows.shape
-    block = dim * max(8, math.ceil(_SKETCH_COLUMNS / dim / 8) * 8)  # multiple of dim and of 8
+    if signs is None:
+        signs = _cached_sign_bits(p, dim, seed)
+    elif signs.shape != ((p + 7) // 8,):
+        raise AggregationError(f"sign bits have shape {signs.shape}, expected ({(p + 7) // 8},)")
+    block = _sketch_block(dim)
+    unit = reduction_unit(block)
+    parts = np.zeros((max(-(-p // unit), 1), n, dim), dtype=np.float64)
+    if p:
+        runner.run(sketch_unit, {"x": rows, "signs": signs}, (dim, block, unit), parts, p,
+                   unit=unit)
+    out = parts[0].copy()
+    for part in parts[1:]:
+        out += part
+    return out[0] if single else out
+
+
+def _sketch_block(dim: int) -> int:
+    """Columns sketched per step: a multiple of ``dim`` (whole buckets) and of 8 (whole bytes
+    of sign bits), about :data:`_SKETCH_COLUMNS`."""
+    return dim * max(8, math.ceil(_SKETCH_COLUMNS / dim / 8) * 8)
+
+
+def sign_bits(p: int, dim: int, seed: int) -> npt.NDArray[np.uint8]:
+    """The packed random sign bits of a ``p``-column sketch (bit j flips coordinate j)."""
+    block = _sketch_block(dim)
     rng = np.random.Generator(np.random.PCG64(seed))
-    out = np.zeros((n, dim), dtype=np.float64)
-    for a in range(0, p, block):
-        length = min(block, p - a)
-        bits = np.unpackbits(np.frombuffer(rng.bytes((length + 7) // 8), dtype=np.uint8),
-                             count=length)
+    # one draw per step of `block` columns, as the sketch was first defined: the same signs
+    return np.concatenate([np.frombuffer(rng.bytes((min(block, p - a) + 7) // 8), np.uint8)
+                           for a in range(0, p, block)] or [np.zeros(0, np.uint8)])
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_sign_bits(p: int, dim: int, seed: int) -> npt.NDArray[np.uint8]:
+    bits = sign_bits(p, dim, seed)
+    bits.flags.writeable = False
+    return bits
+
+
+def sketch_unit(arrays: Mapping[str, np.ndarray | None], params: tuple[int, int, int],
+                out: np.ndarray, a: int, b: int) -> None:
+    """Kernel of :func:`sketch_rows`: the partial sketch of columns ``a..b`` (one unit)."""
+    x, signs = arrays["x"], arrays["signs"]
+    assert x is not None and signs is not None
+    dim, block, unit = params
+    n = x.shape[0]
+    part = out[a // unit]
+    part[...] = 0.0
+    for lo in range(a, b, block):
+        length = min(block, b - lo)
+        bits = np.unpackbits(signs[lo // 8:(lo + length + 7) // 8], count=length)
         # Flip the IEEE sign bit where the random bit is set: exact, and one pass.
         flip = bits.astype(np.uint32) << np.uint32(31)
-        chunk = np.ascontiguousarray(rows[:, a:a + length])
+        chunk = np.ascontiguousarray(x[:, lo:lo + length])
         y = (chunk.view(np.uint32) ^ flip).view(np.float32)
         full = (length // dim) * dim
         if full:
-            out += y[:, :full].reshape(n, -1, dim).sum(axis=1, dtype=np.float64)
-        if full < length:
-            out[:, : length - full] += y[:, full:]
-    return out[0] if single else out
+            part += y[:, :full].reshape(n, -1, dim).sum(axis=1, dtype=np.float64)
+        if full < length:  # lo is a multiple of dim: the rest starts at bucket 0
+            part[:, : length - full] += y[:, full:]
 
 
 def similarity_weights(max_similarity: Floats, *, low: float, high: float) -> Floats:
@@ -129,6 +177,7 @@ class SybilWeighting:
             "hist": ((self.dim,), np.float32, 0.0), "last": ((self.dim,), np.float32, 0.0),
             "seen": ((), np.int64, _NEVER)})
         self.clock = 0
+        self._signs: tuple[ColumnRunner, npt.NDArray[np.uint8]] | None = None
         # Residual histories for the collusion screen of a standalone scorer (a gossip peer's
         # mixing, :func:`murmura.gossip.mixing.mix`): kept here so they live as long as the
         # scorer. Rows are allocated as clients arrive. Not part of :meth:`state_dict`.
@@ -142,11 +191,21 @@ class SybilWeighting:
 
     # -- sketches and histories
 
-    def sketch(self, update: FlatVector) -> Floats:
-        """The (dim,) count sketch of one update, or (n, dim) for a stack of updates."""
+    def sketch(self, update: FlatVector, runner: ColumnRunner = THREADS) -> Floats:
+        """The (dim,) count sketch of one update, or (n, dim) for a stack of updates;
+        ``runner`` runs its column units (with the sign bits in an array it allocated)."""
         if update.shape[-1] != self.size:
             raise AggregationError(f"update has {update.shape[-1]} values, expected {self.size}")
-        return sketch_rows(update, dim=self.dim, seed=self.seed)
+        if runner is THREADS:
+            return sketch_rows(update, dim=self.dim, seed=self.seed)
+        if self._signs is None or self._signs[0] is not runner:
+            if self._signs is not None:
+                self._signs[0].release(self._signs[1])
+            bits = runner.allocate(((self.size + 7) // 8,), np.uint8)
+            bits[...] = sign_bits(self.size, self.dim, self.seed)
+            self._signs = (runner, bits)
+        return sketch_rows(update, dim=self.dim, seed=self.seed, runner=runner,
+                           signs=self._signs[1])
 
     def observe(self, client_id: str, sketch: Floats, *, factor: float = 1.0) -> None:
         """Add factor x sketch / ||sketch|| to the client's history.
