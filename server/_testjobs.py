@@ -132,5 +132,26 @@ def unpicklable_result() -> Any:
     return lambda: None
 
 
-__all__ = ["CONTROL_BYTES", "Control", "SLOTS", "add", "answer_then_die", "fail", "fail_stubborn",
+__all__ = ["CONTROL_BYTES", "Control", "SLOTS", "add", "answer_then_die", "copy_or_die", "fail",
+           "fail_stubborn",
            "getpid", "hold", "ignores_out", "kill_self", "scale_into", "unpicklable_result"]
+
+
+def copy_or_die(arrays: Any, params: tuple[str, str], out: np.ndarray | None,
+                a: int, b: int) -> None:
+    """A column kernel (server/columns.py): ``out[a:b] = src[a:b] * 2``; its process is
+    SIGKILLed halfway through when ``params[0]`` exists (the file is removed first, so only
+    the first attempt dies), and it raises when ``params[1]`` exists."""
+    die_if, fail_if = params
+    assert out is not None
+    mid = (a + b) // 2
+    out[a:mid] = arrays["src"][a:mid] * 2
+    if os.path.exists(fail_if):
+        raise RuntimeError("a kernel that fails")
+    try:
+        os.remove(die_if)
+    except FileNotFoundError:
+        pass
+    else:
+        os.kill(os.getpid(), signal.SIGKILL)
+    out[mid:b] = arrays["src"][mid:b] * 2

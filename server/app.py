@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -26,6 +26,9 @@ from murmura.server.store import DB_NAME, SqliteState
 from murmura.server.tier import Tier
 from murmura.tasks import Task, TaskConfig, load_task
 from murmura.tasks.app import AppTask
+
+if TYPE_CHECKING:
+    from murmura.server.columns import ProcessColumns
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +158,7 @@ class AggregatorServer:
                  tick_s: float = 0.25) -> None:
         self.core = core
         self.tier: Tier | None = None
+        self._columns: ProcessColumns | None = None
         self.requested_address = address or core.config.address
         self.tick_s = tick_s
         self.port = 0
@@ -194,6 +198,7 @@ class AggregatorServer:
         self.core.post = loop.call_soon_threadsafe
         self.core.row_extras = self.tier.stats
         self._fold_in_workers(cfg.tier)
+        self._rule_in_workers(cfg.tier, loop)
         self.tier.post = loop.call_soon_threadsafe
         self.servicer = AggregatorServicer(self.core, tier=self.tier)
         add_servicer(self.servicer, server)
@@ -246,6 +251,26 @@ class AggregatorServer:
         log.info("updates are folded in the workers: up to %d partial aggregates of %.0f MB "
                  "per version", folds.width, folds.slot_bytes / 1e6)
 
+    def _rule_in_workers(self, tier: TierConfig, loop: asyncio.AbstractEventLoop) -> None:
+        """A rule that needs every update (``default``, median, ...) runs its per-coordinate
+        work as column jobs on the tier's process workers (server/columns.py)."""
+        from murmura.aggregation.robust import RobustAggregator
+        from murmura.server.columns import MIN_COLUMNS, ProcessColumns
+        from murmura.server.process_backend import ProcessBackend
+
+        core, backend = self.core, self.tier.backend if self.tier is not None else None
+        aggregator = core.policy.aggregator
+        if not isinstance(backend, ProcessBackend) or not isinstance(aggregator, RobustAggregator) \
+                or core.update_size < MIN_COLUMNS:
+            return
+        self._columns = columns = ProcessColumns(backend, workers=tier.worker_limit)
+        columns.bind(loop)
+        aggregator.use_columns(columns)
+        extras = core.row_extras
+        core.row_extras = lambda: {**(extras() if extras is not None else {}), **columns.stats()}
+        log.info("the %s rule's per-coordinate work runs as column jobs on up to %d workers",
+                 aggregator.name, tier.worker_limit)
+
     def _check_done(self) -> None:
         if self.core.done:
             self._done.set()
@@ -282,6 +307,9 @@ class AggregatorServer:
             self.tier = None
         if self.core.folds is not None:
             self.core.folds.close()
+        if self._columns is not None:
+            self._columns.close()
+            self._columns = None
 
 
 class ServerThread:

@@ -169,6 +169,7 @@ class Tier:
                                      max_queue=config.max_queue,
                                      preload=("murmura.server.tier",
                                               "murmura.server.folds",
+                                              "murmura.server.columns",
                                               "murmura.server.worker_process"))
         return cls(config, decoder, backend=backend)
 
