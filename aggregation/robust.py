@@ -205,7 +205,7 @@ class AdaptiveClipping(RobustAggregator):
                 ids: list[str]) -> FlatVector:
         w = cap_weights(weights, ratio=self.weight_cap)
         scales = clip_scales(norms, self.bound(norms))
-        return weighted_sum(x, w * scales / w.sum())
+        return weighted_sum(x, w * scales / w.sum(), runner=self.columns)
 
     def reset(self) -> None:
         super().reset()
@@ -309,14 +309,14 @@ class MultiKrum(RobustAggregator):
                 f"{self.name} with m={m} and f={self.f} would average {m} of {n} updates, "
                 f"so it could include a Byzantine one; use m <= {n - self.f}"
             )
-        return np.argsort(krum_scores(x, f=self.f), kind="stable")[:m]
+        return np.argsort(krum_scores(x, f=self.f, runner=self.columns), kind="stable")[:m]
 
     def _robust(self, x: Stack, weights: Floats, factors: Floats, norms: Floats,
                 ids: list[str]) -> FlatVector:
         sel = self.selected(x)
         coeff = np.zeros(len(weights))
         coeff[sel] = cap_weights(weights[sel], ratio=self.weight_cap)
-        return weighted_sum(x, coeff / coeff.sum())
+        return weighted_sum(x, coeff / coeff.sum(), runner=self.columns)
 
 
 class Krum(MultiKrum):

@@ -35,6 +35,7 @@ __all__ = [
     "huber_mean",
     "median_block",
     "krum_scores",
+    "gram_unit",
     "pairwise_sq_distances",
     "row_norms",
     "squares_unit",
@@ -42,6 +43,7 @@ __all__ = [
     "trimmed_mean",
     "weighted_median",
     "weighted_sum",
+    "weighted_sum_block",
 ]
 
 Floats = npt.NDArray[np.float64]
@@ -82,10 +84,25 @@ def squares_unit(arrays: Mapping[str, np.ndarray | None], params: None, out: np.
     out[a // UNIT] = np.einsum("ij,ij->i", x[:, a:b], x[:, a:b])
 
 
-def weighted_sum(x: Stack, coefficients: Floats) -> FlatVector:
-    """sum_i c_i x_i as one matrix-vector product (float32, at memory bandwidth)."""
-    c = torch.from_numpy(np.asarray(coefficients, dtype=np.float32))
-    return (c @ _tensor(x)).numpy()
+def weighted_sum(x: Stack, coefficients: Floats, *, runner: ColumnRunner = THREADS
+                 ) -> FlatVector:
+    """sum_i c_i x_i as one matrix-vector product (float32, at memory bandwidth); another
+    ``runner`` than the threads takes it block by block (each column is the same dot product
+    of n values either way: the same bits, which a test checks)."""
+    c = np.asarray(coefficients, dtype=np.float32)
+    if runner is THREADS:
+        return (torch.from_numpy(c) @ _tensor(x)).numpy()
+    out = np.empty(x.shape[1], dtype=np.float32)
+    runner.run(weighted_sum_block, {"x": x}, c, out, x.shape[1])
+    return out
+
+
+def weighted_sum_block(arrays: Mapping[str, np.ndarray | None], c: npt.NDArray[np.float32],
+                       out: np.ndarray, a: int, b: int) -> None:
+    """Kernel of :func:`weighted_sum` for columns ``a..b``."""
+    x = arrays["x"]
+    assert x is not None
+    out[a:b] = (torch.from_numpy(c) @ torch.from_numpy(x[:, a:b])).numpy()
 
 
 def weighted_median(values: Floats, weights: Floats) -> float:
@@ -300,22 +317,24 @@ def trimmed_block(arrays: Mapping[str, np.ndarray | None], k: int, out: np.ndarr
     out[a:b] = cols[:, k : n - k].sum(axis=1, dtype=np.float64) / (n - 2 * k)
 
 
-def pairwise_sq_distances(x: Stack) -> Floats:
+def pairwise_sq_distances(x: Stack, *, runner: ColumnRunner = THREADS) -> Floats:
     """(n, n) squared Euclidean distances from one Gram matrix, O(n^2 P) flops, O(n^2) memory.
 
     Rows are first centred on the row of median norm: distances do not change, but the Gram
     entries of ordinary rows stay small, so float32 cancellation stays at the scale of the
-    honest spread even when one row is enormous. Entries that overflow become +inf.
+    honest spread even when one row is enormous. Entries that overflow become +inf. The Gram
+    matrix is summed in float32 per :data:`~murmura.aggregation.columns.UNIT` columns (which
+    ``runner`` may spread) and the units' partials in float64, in order.
     """
     n, p = x.shape
-    norms = row_norms(x)
-    centre = _tensor(x[int(np.argsort(norms, kind="stable")[(n - 1) // 2])])
-    xt = _tensor(x)
-    gram = torch.zeros((n, n), dtype=torch.float32)
-    for a, b in _column_blocks(p, 4 * _BLOCK):
-        y = xt[:, a:b] - centre[a:b]
-        gram += y @ y.T
-    g = gram.numpy().astype(np.float64)
+    norms = row_norms(x, runner=runner)
+    centre = int(np.argsort(norms, kind="stable")[(n - 1) // 2])
+    parts = np.zeros((max(-(-p // UNIT), 1), n, n), dtype=np.float32)
+    if p:
+        runner.run(gram_unit, {"x": x}, centre, parts, p, unit=UNIT)
+    g = parts[0].astype(np.float64)
+    for part in parts[1:]:
+        g += part
     g = 0.5 * (g + g.T)
     diag = np.diag(g)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -326,13 +345,29 @@ def pairwise_sq_distances(x: Stack) -> Floats:
     return d2
 
 
-def krum_scores(x: Stack, *, f: int) -> Floats:
+def gram_unit(arrays: Mapping[str, np.ndarray | None], centre: int, out: np.ndarray,
+              a: int, b: int) -> None:
+    """Kernel of :func:`pairwise_sq_distances`: the Gram matrix of columns ``a..b`` (one
+    unit) of the rows less row ``centre``, summed in float32 over 32,768-column steps."""
+    x = arrays["x"]
+    assert x is not None
+    xt = torch.from_numpy(x)
+    c = xt[centre]
+    gram = torch.zeros((x.shape[0], x.shape[0]), dtype=torch.float32)
+    for lo in range(a, b, 4 * BLOCK):
+        hi = min(lo + 4 * BLOCK, b)
+        y = xt[:, lo:hi] - c[lo:hi]
+        gram += y @ y.T
+    out[a // UNIT] = gram.numpy()
+
+
+def krum_scores(x: Stack, *, f: int, runner: ColumnRunner = THREADS) -> Floats:
     """Krum score of each row: sum of squared distances to its n - f - 2 nearest other rows."""
     n = x.shape[0]
     k = n - f - 2
     if f < 0 or k < 1:
         raise AggregationError(f"krum needs n > 2f + 2 updates; got n={n} with f={f}")
-    d2 = pairwise_sq_distances(x)
+    d2 = pairwise_sq_distances(x, runner=runner)
     np.fill_diagonal(d2, np.inf)
     nearest = np.partition(d2, k - 1, axis=1)[:, :k]
     scores: Floats = nearest.sum(axis=1)

@@ -101,7 +101,7 @@ class SybilMean(RobustAggregator):
         w = self._capped(weights, s) * s
         if not w.sum() > 0:
             return np.zeros(self.size, dtype=np.float32)
-        return weighted_sum(x, w / w.sum())
+        return weighted_sum(x, w / w.sum(), runner=self.columns)
 
     def _capped(self, weights: Floats, s: Floats) -> Floats:
         # The cap is relative to the median weight of non-clones: clones claiming tiny (or

@@ -22,8 +22,10 @@ from murmura.aggregation.columns import (
 from murmura.aggregation.robust_stats import (
     coordinate_median,
     huber_mean,
+    pairwise_sq_distances,
     row_norms,
     trimmed_mean,
+    weighted_sum,
 )
 from murmura.aggregation.sybil_scores import sign_bits, sketch_rows
 
@@ -97,6 +99,10 @@ def test_norms_sketches_and_per_coordinate_rules_are_the_same_bits_on_any_split(
                               coordinate_median(x, rows=rows, runner=one))
         assert np.array_equal(trimmed_mean(x, trim_count=2, runner=runner),
                               trimmed_mean(x, trim_count=2, runner=one))
+        assert np.array_equal(pairwise_sq_distances(x, runner=runner),
+                              pairwise_sq_distances(x, runner=one))
+        c = np.linspace(0.1, 1.0, 7)
+        assert np.array_equal(weighted_sum(x, c, runner=runner), weighted_sum(x, c))
 
 
 def test_norms_keep_the_float32_overflow_and_nan_of_a_row() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from murmura.aggregation import CoordinateMedian, RobustDefault, TrimmedMean
+from murmura.aggregation import CoordinateMedian, MultiKrum, RobustDefault, TrimmedMean
 from murmura.aggregation.columns import BLOCK, UNIT
 from murmura.server import _testjobs as jobs
 from murmura.server.columns import ProcessColumns
@@ -85,12 +85,13 @@ def test_default_in_the_workers_gives_the_threads_bits() -> None:
     run(go())
 
 
-def test_median_and_trimmed_mean_in_the_workers_give_the_threads_bits() -> None:
-    p = 3 * BLOCK + 1
+def test_median_trimmed_mean_and_multi_krum_in_the_workers_give_the_threads_bits() -> None:
+    p = UNIT + 3 * BLOCK + 1
 
     async def go() -> None:
         async with columns(2, min_columns=BLOCK, min_range=BLOCK) as runner:
-            for make in (CoordinateMedian, lambda size: TrimmedMean(size, trim=0.25)):
+            for make in (CoordinateMedian, lambda size: TrimmedMean(size, trim=0.25),
+                         lambda size: MultiKrum(size, f=2)):
                 threads, workers = make(p), make(p)
                 workers.use_columns(runner)
                 jobs_before = runner.jobs
