@@ -69,6 +69,9 @@ class SybilMean(RobustAggregator):
         self.scorer = SybilWeighting(size, dim=dim, max_clients=max_clients, seed=seed,
                                      low=low, high=high, recent=recent)
         self.last_weights: Floats = np.zeros(0)
+        #: per row of the last buffer: the cosine with its client's history before it (NaN:
+        #: no history), from :meth:`SybilWeighting.consistency`
+        self.last_consistency: Floats = np.zeros(0)
         self.last_ids: list[str] = []
         self._sketches: Floats = np.zeros((0, dim))
         self._committed = False
@@ -86,6 +89,7 @@ class SybilMean(RobustAggregator):
             # Rows arrive scaled by their factor; the history needs only the direction.
             sketches = self.scorer.sketch(x, self.columns)
             self._sketches = sketches
+            self.last_consistency = self.scorer.consistency(keys, sketches)
             self.scorer.tick()
             for key, sketch, factor in zip(keys, sketches, factors, strict=True):
                 self.scorer.observe(key, sketch, factor=float(factor))
@@ -213,6 +217,15 @@ class RobustDefault(SybilMean):
        floods of any size, colluding attacks that send one shared vector (ALIE, IPM, Min-Max,
        Min-Sum) and identities that build a distinct history and then switch to one shared
        vector. Updates with s_i <= 1/2 get no vote.
+    1b. Two more weights multiply s_i (docs/robustness.md, "Defences v3"): the collusion
+       screen's (:class:`CollusionScreen`: clients whose residual histories share a
+       direction), and *consistency*: the cosine of the update with its own client's history
+       (:meth:`SybilWeighting.consistency`) against the buffer's median: 1 while it falls
+       short of the median by at most ``consistency_low``, 0 from ``consistency_high``. An
+       honest client's updates keep pointing where its data pulls; a trust-building
+       identity that turns its updates around (or re-crafts them per batch) loses its vote
+       from its first such update, in sync and in async buffers alike. Anonymous rows and
+       first updates have no history and keep 1.
     2. Updates longer than ``norm_cap`` x the median norm of the rest get no vote either: a
        minority of huge updates (boosted, or sign flipped and scaled) all sit at one end of
        every coordinate's order and would shift the median and widen the clipping range
@@ -300,9 +313,19 @@ class RobustDefault(SybilMean):
                  screen_short_low: float = 3.0, screen_short_high: float = 4.0,
                  screen_pair_low: float | None = 0.65,
                  screen_pair_high: float | None = 0.75, screen_centre_extra: int = 32,
-                 direction_trim: float = 0.25) -> None:
+                 direction_trim: float = 0.25, consistency_low: float | None = 0.5,
+                 consistency_high: float | None = 0.75) -> None:
         super().__init__(size, dim=dim, max_clients=max_clients, seed=seed, low=low, high=high,
                          recent=recent, weight_cap=weight_cap)
+        if (consistency_low is None) != (consistency_high is None) or (
+                consistency_low is not None and consistency_high is not None
+                and not 0.0 <= consistency_low < consistency_high <= 2.0):
+            raise AggregationError(
+                f"consistency_low and consistency_high must both be None (no consistency "
+                f"weight) or gaps between cosines with 0 <= low < high <= 2, got "
+                f"{consistency_low} and {consistency_high}")
+        self.consistency = (None if consistency_low is None or consistency_high is None
+                            else (float(consistency_low), float(consistency_high)))
         self.screen = (CollusionScreen(dim, max_clients=max_clients, window=screen_window,
                                        low=screen_low, high=screen_high,
                                        short_low=screen_short_low,
@@ -396,14 +419,35 @@ class RobustDefault(SybilMean):
         return np.sort(rng.choice(rows, size=self.max_rows, replace=False))
 
     def screen_weights(self, s: Floats, factors: Floats, ids: list[str], first: bool) -> Floats:
-        """The collusion screen's weight per row (all 1 without a screen); the first call per
-        buffer adds the non-clone rows' residuals to their histories."""
+        """The collusion screen's weight per row times the consistency weight (stage 1b; all
+        1 when both are off); the first call per buffer adds the non-clone rows' residuals
+        to the screen's histories."""
+        t = self.consistency_weights(ids)
         if self.screen is None:
-            return np.ones(len(ids))
+            return t
         keys = [cid or f"\x00anonymous-{i}" for i, cid in enumerate(ids)]
         if first:
             self.screen.observe(keys, self._sketches, factors, centre_rows=s > 0.5)
-        return self.screen.weights(keys)
+        return self.screen.weights(keys) * t
+
+    def consistency_weights(self, ids: list[str]) -> Floats:
+        """Per row, by how far its update's agreement with its own client's history falls
+        below the buffer's median agreement (the *gap*): 1 up to a gap of
+        ``consistency_low``, 0 from ``consistency_high``, linear in between; 1 for anonymous
+        rows, clients without a history, and buffers with fewer than 3 rows that have one.
+        Relative, not absolute: where every client's updates are mostly noise (near
+        convergence, say) all agreements are near 0 and nobody is judged."""
+        if self.consistency is None or len(self.last_consistency) != len(ids):
+            return np.ones(len(ids))
+        low, high = self.consistency
+        cos = np.where([bool(cid) for cid in ids], self.last_consistency, np.nan)
+        known = cos[~np.isnan(cos)]
+        if known.size < 3:
+            return np.ones(len(ids))
+        gap = float(np.median(known)) - cos
+        with np.errstate(invalid="ignore"):
+            w = np.clip((high - gap) / (high - low), 0.0, 1.0)
+        return np.where(np.isnan(cos), 1.0, w)
 
     def _robust(self, x: Stack, weights: Floats, factors: Floats, norms: Floats,
                 ids: list[str]) -> FlatVector:

@@ -207,6 +207,25 @@ class SybilWeighting:
         return sketch_rows(update, dim=self.dim, seed=self.seed, runner=runner,
                            signs=self._signs[1])
 
+    def consistency(self, client_ids: Sequence[str], sketches: Floats) -> Floats:
+        """Cosine of each sketch with its client's history so far (NaN for a client with no
+        history): call it before :meth:`observe` adds the sketch. An honest client's updates
+        keep pointing where its own data pulls, so this stays well above 0 (digits task: at
+        least 0.17, median 0.9); a client that turns its updates around after building trust
+        scores near or below 0 until its history follows (FLDetector's idea, Zhang et al.,
+        KDD 2022, on the sketches the scorer already keeps)."""
+        out = np.full(len(client_ids), np.nan)
+        for i, cid in enumerate(client_ids):
+            slot = self._slots.get(cid)
+            if slot is None:
+                continue
+            hist = self._hist[slot].astype(np.float64)
+            sketch = np.asarray(sketches[i], dtype=np.float64)
+            norms = float(np.linalg.norm(hist)) * float(np.linalg.norm(sketch))
+            if norms > 0 and math.isfinite(norms):
+                out[i] = float(hist @ sketch) / norms
+        return out
+
     def observe(self, client_id: str, sketch: Floats, *, factor: float = 1.0) -> None:
         """Add factor x sketch / ||sketch|| to the client's history.
 
