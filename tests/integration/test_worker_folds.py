@@ -29,32 +29,35 @@ pytestmark = pytest.mark.integration
 SIZE = 30_000
 
 
-def spec() -> ModelSpec:
-    return ModelSpec((TensorSpec("w", (SIZE,)),))
+def spec(size: int = SIZE) -> ModelSpec:
+    return ModelSpec((TensorSpec("w", (size,)),))
 
 
-def update_for(client: int, version: int) -> np.ndarray:
+def update_for(client: int, version: int, size: int = SIZE) -> np.ndarray:
     """A deterministic update per (client, version), with values over many magnitudes."""
     rng = np.random.default_rng([client, version, 7])
-    return (rng.standard_normal(SIZE) * 10.0 ** rng.integers(-5, 1, SIZE)).astype(np.float32)
+    return (rng.standard_normal(size) * 10.0 ** rng.integers(-5, 1, size)).astype(np.float32)
 
 
 def run(serve, *, workers: int, folds: str = "on", codec: str = "dense-f32",
         clients: int = 5, versions: int = 2, mode: str = "sync", accumulator: str = "float32",
-        options: dict[str, str] | None = None, before_push=None, out_dir: Path | None = None
-        ) -> tuple[np.ndarray, dict]:
-    """``versions`` versions of ``clients`` concurrent pushes; the final model and the last
-    metrics row's tier figures."""
+        options: dict[str, str] | None = None, before_push=None, out_dir: Path | None = None,
+        size: int = SIZE, defense: str = "fedavg", make_update=update_for,
+        in_order: bool = False) -> tuple[np.ndarray, dict]:
+    """``versions`` versions of ``clients`` concurrent pushes (``in_order``: one after the
+    other, in client order, for an async buffer whose order matters); the final model and
+    the last metrics row's tier figures. Also used by test_rule_columns.py."""
     extra = {"buffer_size": clients} if mode == "async" else {}
     cfg = ServerConfig.from_flat(min_clients=clients, max_versions=versions, workers=workers,
                                  max_workers=max(workers, 1), worker_folds=folds, mode=mode,
                                  require_identity=False, accumulator=accumulator,
+                                 defense=defense,
                                  train=TaskSettings(codec=codec, codec_options=options or {}),
                                  **extra)
     if out_dir is None:
-        core = AggregatorCore(cfg, spec(), np.zeros(SIZE, np.float32))
+        core = AggregatorCore(cfg, spec(size), np.zeros(size, np.float32))
     else:  # durable state in out_dir (SQLite and a spool file): acknowledged = on disk
-        core = assemble_core(cfg, spec(), np.zeros(SIZE, np.float32), out_dir=out_dir,
+        core = assemble_core(cfg, spec(size), np.zeros(size, np.float32), out_dir=out_dir,
                              durable=True)
     srv = serve(core)
     if before_push is not None:
@@ -67,17 +70,21 @@ def run(serve, *, workers: int, folds: str = "on", codec: str = "dense-f32",
         version = tasks[0].version
 
         def push(i: int, version: int, round_: int) -> None:
-            payload = codec_obj.encoder(SIZE, seed=i).encode(update_for(i, version))
+            payload = codec_obj.encoder(size, seed=i).encode(make_update(i, version, size))
             t.push(UpdateHeader(session=sessions[i], update_id=uuid.uuid4().hex[:12],
                                 base_version=version, round=round_, num_examples=10 + i,
                                 codec=codec, payload_bytes=len(payload),
-                                spec_fingerprint=spec().fingerprint()), payload)
-        threads = [threading.Thread(target=push, args=(i, version, tasks[i].round))
-                   for i in reversed(range(clients))]  # arrivals out of cohort order
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+                                spec_fingerprint=spec(size).fingerprint()), payload)
+        if in_order:
+            for i in range(clients):
+                push(i, version, tasks[i].round)
+        else:
+            threads = [threading.Thread(target=push, args=(i, version, tasks[i].round))
+                       for i in reversed(range(clients))]  # arrivals out of cohort order
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
         wait_until(lambda v=version: t.pull(sessions[0])[0] == v + 1, what="the next version")
     params = t.pull(sessions[0])[1]
     figures = srv.call(lambda: {**srv.core.last_metrics, **(
