@@ -19,11 +19,20 @@ _NUMBER = re.compile(r"-?\b\d[\w.]*")
 
 
 def quote(value: object, limit: int = QUOTE) -> str:
-    """``repr`` of at most ``limit`` characters of ``value``, saying how long it really was."""
+    """``repr`` of at most ``limit`` characters of ``value``, saying how long it really was.
+
+    Escapes count too: a character outside the Basic Multilingual Plane reprs as 10
+    (``\U0001f600``), so fewer characters are kept where the repr would pass 4 x ``limit``.
+    """
     text = str(value)
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}… ({len(text)} characters)"
+    kept = text[:limit]
+    shown = repr(kept)
+    while len(shown) > 4 * limit + 2 and kept:
+        kept = kept[:-1]
+        shown = repr(kept)
+    if kept == text:
+        return shown
+    return f"{shown}… ({len(text)} characters)"
 
 
 class ServiceError(Exception):

@@ -37,6 +37,15 @@ def test_a_quote_never_echoes_more_than_a_few_dozen_characters(text: str) -> Non
         assert f"({len(text)} characters)" in quoted
 
 
+def test_escapes_do_not_multiply_a_quote() -> None:
+    # hypothesis found it: characters beyond the BMP repr as 10 characters each
+    text = "0" * 12 + "\x1f" * 10 + "\U00011daa" * 10 + "0"
+    quoted = quote(text)
+    assert len(quoted) <= 4 * QUOTE + 40 and f"({len(text)} characters)" in quoted
+    assert quoted.startswith("'000000000000")
+    assert quote("\U0001f600" * 3) == repr("\U0001f600" * 3)  # short enough: all of it
+
+
 def test_refusal_messages_stay_short_for_huge_inputs() -> None:
     huge = "x" * (1 << 20)
     for check in (lambda: check_text("codec", huge, 64),
