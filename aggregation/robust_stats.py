@@ -18,7 +18,7 @@ import numpy.typing as npt
 import torch
 
 from murmura.aggregation.base import AggregationError, FlatVector
-from murmura.aggregation.columns import BLOCK, THREADS, UNIT, ColumnRunner
+from murmura.aggregation.columns import BLOCK, THREADS, UNIT, ColumnRunner, blocks
 
 __all__ = [
     "Floats",
@@ -145,10 +145,6 @@ def clip_scales(norms: Floats, bound: float) -> Floats:
     with np.errstate(divide="ignore", invalid="ignore"):
         scales = np.where(norms > bound, bound / norms, 1.0)
     return np.nan_to_num(scales, nan=0.0, posinf=0.0)
-
-
-def _column_blocks(p: int, block: int = _BLOCK) -> list[tuple[int, int]]:
-    return [(a, min(a + block, p)) for a in range(0, p, block)]
 
 
 def coordinate_median(x: Stack, *, rows: npt.NDArray[np.intp] | None = None,
@@ -424,7 +420,7 @@ def _distances_to(xt: torch.Tensor, v: FlatVector, scales: Floats, norms: Floats
         rows = torch.from_numpy(risky)
         st = torch.from_numpy(scales[risky].astype(np.float32))[:, None]
         exact = torch.zeros(risky.size, dtype=torch.float64)
-        for a, b in _column_blocks(xt.shape[1], 4 * _BLOCK):
+        for a, b in blocks(xt.shape[1], 4 * BLOCK):
             diff = xt[rows, a:b] * st - vt[a:b]
             exact += torch.einsum("ij,ij->i", diff, diff).double()
         sq[risky] = exact.numpy()
