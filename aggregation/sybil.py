@@ -313,6 +313,7 @@ class RobustDefault(SybilMean):
                  screen_short_low: float = 3.0, screen_short_high: float = 4.0,
                  screen_pair_low: float | None = 0.65,
                  screen_pair_high: float | None = 0.75, screen_centre_extra: int = 32,
+                 screen_min_clients: int = 16,
                  direction_trim: float = 0.25, consistency_low: float | None = 0.5,
                  consistency_high: float | None = 0.75) -> None:
         super().__init__(size, dim=dim, max_clients=max_clients, seed=seed, low=low, high=high,
@@ -331,7 +332,8 @@ class RobustDefault(SybilMean):
                                        short_low=screen_short_low,
                                        short_high=screen_short_high, pair_low=screen_pair_low,
                                        pair_high=screen_pair_high,
-                                       centre_extra=screen_centre_extra) if screen else None)
+                                       centre_extra=screen_centre_extra,
+                                       min_clients=screen_min_clients) if screen else None)
         self.last_effective: Floats = np.zeros(0)
         if int(max_rows) != max_rows or max_rows < 1:
             raise AggregationError(f"max_rows must be an integer >= 1, got {max_rows}")

@@ -222,6 +222,7 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "sybil": "weight neighbours by how dissimilar their histories are",
         "history_share": "sybil: history records offered per view shuffle",
         "history_records": "sybil: history records kept per peer",
+        "trust_warmup": "sybil: mixings over which neighbours' trust ramps up (0: none)",
         "round_timeout_s": "how long a peer waits for its neighbours' models each round",
         "min_messages": "models to wait for each round (0: the expected in-degree)",
         "max_round_lag": "drop models more than this many rounds behind",

@@ -25,7 +25,12 @@ class GossipConfig:
       from its own), any name of the aggregation registry; ``sybil`` weights neighbours by
       how dissimilar their histories are, the peer's own model staying at weight 1; peers
       spread sketches of the models they received (``history_share`` per shuffle, at most
-      ``history_records`` kept), so clone identities meet in every peer's histories sooner.
+      ``history_records`` kept), so clone identities meet in every peer's histories sooner,
+      and the collusion screen judges every peer heard of, first-hand or not. With ``sybil``,
+      neighbours' trust ramps up over a peer's first ``trust_warmup`` mixings (1/N of it in the
+      first, full from the N-th; 0 or 1: no ramp): the screen has no histories to judge by yet,
+      and a backdoor mixed in then outlives the attackers being found later (measured on the
+      robustness benchmark, docs/robustness.md).
     * ``view_size`` bounds the peer-sampling view; ``shuffle_size`` entries travel per shuffle.
     * ``max_inbox`` bounds the models a peer holds between two mixes (all senders, all
       rounds); a push beyond it is refused (RESOURCE_EXHAUSTED), so invented ids cannot grow
@@ -56,6 +61,7 @@ class GossipConfig:
     sybil: bool = False
     history_share: int = 16        # sybil: history records offered per view shuffle...
     history_records: int = 512     # ...and kept per peer (each one sketch of 512 floats)
+    trust_warmup: int = 6          # sybil: mixings over which neighbours' trust ramps up
     round_timeout_s: float = 2.0
     min_messages: int = 0
     max_round_lag: int = 10
@@ -97,6 +103,8 @@ class GossipConfig:
             raise ValueError("min_messages must be >= 0 and max_round_lag >= 1")
         if self.history_share < 0 or self.history_records < 1:
             raise ValueError("history_share must be >= 0 and history_records >= 1")
+        if self.trust_warmup < 0:
+            raise ValueError(f"trust_warmup must be >= 0, got {self.trust_warmup}")
         if self.journal_rounds < 1:
             raise ValueError(f"journal_rounds must be >= 1, got {self.journal_rounds}")
         if self.sample_size < 1 or self.aggregators < 1:

@@ -4,9 +4,11 @@ replacing it, and the scorer's collusion screen mutes distinct peers that collud
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from murmura.aggregation import SybilWeighting, create_aggregator
 from murmura.gossip import mix
+from murmura.gossip.mixing import GOSSIP_DEFAULT_OPTIONS
 
 SIZE = 512
 
@@ -64,4 +66,40 @@ def test_distinct_colluding_neighbours_lose_their_weight_over_rounds() -> None:
         mix(own, list(zip(names, models, strict=True)), rule="default", sybil=scorer)
     trust = scorer.weights(names) * scorer.screen.weights(names)
     np.testing.assert_array_equal(trust[20:], 0.0)
-    assert np.all(trust[:20] >= 0.9)
+    # A peer's screen cuts at lower z-scores than a server's (aggregation/sybil_scores.py:
+    # honest peers converge, so their residuals are tighter than these independent ones);
+    # the price is an honest outlier now and then: one of these 20.
+    assert np.sum(trust[:20] >= 0.9) >= 19
+
+
+def test_trust_scale_shrinks_every_neighbours_weight_but_not_the_own_one() -> None:
+    own = np.zeros(SIZE, np.float32)
+    other = np.full(SIZE, 3.0, np.float32)
+    full = mix(own, [("a", other)], sybil=SybilWeighting(SIZE, dim=64))
+    half = mix(own, [("a", other)], sybil=SybilWeighting(SIZE, dim=64), trust_scale=0.5)
+    np.testing.assert_allclose(full, 1.5)          # (own + other) / 2
+    np.testing.assert_allclose(half, 1.0)          # (1 * own + 0.5 * other) / 1.5
+    for bad in (0.0, -1.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="trust_scale"):
+            mix(own, [("a", other)], sybil=SybilWeighting(SIZE, dim=64), trust_scale=bad)
+
+
+def test_a_peers_default_rule_screens_one_batch_of_neighbours() -> None:
+    # The mixing's own rule sees one batch (own model plus the received ones); with the
+    # gossip options its screen judges from 6 rows, so clones hidden under noise as large as
+    # half their update lose their vote in the very first mixing, before any history exists.
+    rng = np.random.default_rng(4)
+    own = np.zeros(SIZE, np.float32)
+    honest = [(f"h{i}", rng.standard_normal(SIZE).astype(np.float32)) for i in range(4)]
+    lead = 3.0 * rng.standard_normal(SIZE).astype(np.float32)
+    jitter = 0.5 * float(np.linalg.norm(lead)) / np.sqrt(SIZE)
+    clones = [(f"s{i}", lead + jitter * rng.standard_normal(SIZE).astype(np.float32))
+              for i in range(3)]
+    agg = create_aggregator("default", SIZE, **GOSSIP_DEFAULT_OPTIONS)
+    assert agg.screen is not None and agg.screen.min_clients == 6
+    pull = lead / np.linalg.norm(lead)  # how far a mixing moves towards the clones' lead
+    out = mix(own, honest + clones, rule="default")
+    np.testing.assert_allclose(out, mix(own, honest, rule="default"), atol=1e-6)
+    server_like = mix(own, honest + clones, rule="default",
+                      options={"screen_min_clients": 16})  # a server's screen: no judgement
+    assert float(server_like @ pull) > 10.0 and abs(float(out @ pull)) < 0.1

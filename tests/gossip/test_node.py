@@ -159,3 +159,37 @@ def test_mixing_can_weight_models_by_their_examples() -> None:
     plain.receive("a", 0, "m1", np.full(8, 4.0, np.float32), num_examples=3)
     plain.mix()
     np.testing.assert_allclose(plain.model, np.full(8, 2.0))  # equal weights: (0 + 4) / 2
+
+
+def test_gossiped_records_reach_the_collusion_screen() -> None:
+    # A peer hears first-hand from a few peers per round; the records its shuffle partners
+    # pass on enter the screen as one batch, so it tracks (and can judge) peers it never
+    # received a model from.
+    n = node(sybil=True, history_share=16)
+    assert n.sybil is not None and n.sybil.screen is not None
+    rng = np.random.default_rng(5)
+    dim = n.sybil.dim
+    n.take_history([(f"far{i}", 0, rng.standard_normal(dim)) for i in range(8)])
+    n.receive("near", 0, "m1", rng.standard_normal(8).astype(np.float32))
+    n.receive("nearer", 0, "m2", rng.standard_normal(8).astype(np.float32))
+    assert n.mix() == 2
+    assert all(f"far{i}" in n.sybil.screen for i in range(8))
+    assert "near" in n.sybil.screen and "nearer" in n.sybil.screen
+
+
+def test_neighbours_trust_ramps_up_over_the_first_mixings() -> None:
+    n = node(sybil=True, trust_warmup=4)
+    scales = []
+    for r in range(6):
+        n.receive("a", r, f"m{r}", np.full(8, 2.0, np.float32))
+        n.mix()
+        scales.append(n.trust_scale())  # the factor the mixing just used
+        n.round += 1
+    assert scales == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    first = node(sybil=True, trust_warmup=4)
+    first.receive("a", 0, "m0", np.full(8, 2.0, np.float32))
+    first.mix()  # own weight 1, the neighbour 0.25: 0.25 * 2 / 1.25
+    np.testing.assert_allclose(first.model, 0.4, rtol=1e-6)
+    assert node(sybil=True, trust_warmup=0).trust_scale() == 1.0
+    with pytest.raises(ValueError, match="trust_warmup"):
+        GossipConfig(trust_warmup=-1)
