@@ -244,9 +244,15 @@ class RobustDefault(SybilMean):
        (stage 5's): a 10-row buffer alone cannot tell a 30% minority from the rest. At most
        ``direction_trim`` of a buffer's voters leave (the farthest first), none when the
        reference has fewer than :data:`MIN_DIRECTION_ROWS` rows, and a zero update (no
-       direction) always votes. Cost: honest rows far from the others lose their vote too;
-       measured on the robustness benchmark in docs/robustness.md. ``direction_trim=0``
-       turns the stage off (a gossip peer's default does: gossip/mixing.py).
+       direction) always votes, except that a voter outside the group in most of its recent
+       buffers (its count of them, each older one weighing ``strike_decay`` less, reaches
+       ``strike_limit``: the last two of them at the defaults) leaves even past that share:
+       a DBA group that fills a third of a small buffer is outside it buffer after buffer,
+       an honest outlier now and then (FLDetector's point, that consistency over time tells
+       them apart; ``strike_limit=None`` turns this off). Cost: honest rows far from the
+       others lose their vote too; measured on the robustness benchmark in
+       docs/robustness.md. ``direction_trim=0`` turns the stage off (a gossip peer's default
+       does: gossip/mixing.py).
     3. Per coordinate, the voters' values are clipped to median +- ``huber_c`` x sigma
        (sigma = 1.4826 x the median absolute deviation) and averaged with their example
        counts, capped at ``weight_cap`` x the median count (:func:`~murmura.aggregation.robust.
@@ -313,7 +319,8 @@ class RobustDefault(SybilMean):
                  screen_short_low: float = 3.0, screen_short_high: float = 4.0,
                  screen_pair_low: float | None = 0.65,
                  screen_pair_high: float | None = 0.75, screen_centre_extra: int = 32,
-                 screen_min_clients: int = 16,
+                 screen_min_clients: int = 16, strike_limit: float | None = 1.5,
+                 strike_decay: float = 0.5,
                  direction_trim: float = 0.25, consistency_low: float | None = 0.5,
                  consistency_high: float | None = 0.75) -> None:
         super().__init__(size, dim=dim, max_clients=max_clients, seed=seed, low=low, high=high,
@@ -353,6 +360,16 @@ class RobustDefault(SybilMean):
         if not 0 <= direction_trim < 0.5:
             raise AggregationError(f"direction_trim must lie in [0, 0.5), got {direction_trim}")
         self.direction_trim = float(direction_trim)
+        if strike_limit is not None and not (math.isfinite(strike_limit) and strike_limit > 0):
+            raise AggregationError(f"strike_limit must be None or a positive number, got "
+                                   f"{strike_limit}")
+        if not 0 <= strike_decay < 1:
+            raise AggregationError(f"strike_decay must lie in [0, 1), got {strike_decay}")
+        self.strike_limit = None if strike_limit is None else float(strike_limit)
+        self.strike_decay = float(strike_decay)
+        # per client, least recently judged first: its buffers outside the direction group,
+        # each older one counting strike_decay times less (at most max_clients clients)
+        self._strikes: OrderedDict[str, float] = OrderedDict()
         self.max_rows = int(max_rows)
         self.norm_cap = None if norm_cap is None else float(norm_cap)
         self.huber_c = float(huber_c)
@@ -378,7 +395,7 @@ class RobustDefault(SybilMean):
             rows = rows[norms[rows] <= bound]
         return rows
 
-    def direction_group(self, rows: npt.NDArray[np.intp], ids: list[str]
+    def direction_group(self, rows: npt.NDArray[np.intp], ids: list[str], first: bool = False
                         ) -> npt.NDArray[np.intp]:
         """Stage 2b: the voters whose direction lies within the tightest single-linkage group
         of ``1 - direction_trim`` of the reference rows (all voters, or ``max_rows`` of them,
@@ -402,15 +419,37 @@ class RobustDefault(SybilMean):
         # height (members are their own nearest member, at distance 0)
         nearest = 1.0 - (unit_rows(sketches) @ unit_rows(ref[group]).T).max(axis=1)
         out = pointed & (nearest > height + 1e-9)
+        struck = self._strike(rows, ids, out, first)
         # At most direction_trim of this buffer's voters leave, the farthest first: with
         # history rows in the reference, a buffer's few current rows (a Sybil flood fills the
         # rest) would otherwise lose more than the stage's share to a group of older rows.
+        # Voters that were outside in most of their recent buffers (struck) leave anyway.
         cap = int(self.direction_trim * rows.size)
         if out.sum() > cap:
             farthest = np.argsort(-np.where(out, nearest, -np.inf), kind="stable")[:cap]
-            out = np.zeros_like(out)
+            out = struck.copy()
             out[farthest] = True
         return rows[~out]
+
+    def _strike(self, rows: npt.NDArray[np.intp], ids: list[str], out: npt.NDArray[np.bool_],
+                first: bool) -> npt.NDArray[np.bool_]:
+        """Which voters outside the group are *struck*: their decayed count of buffers spent
+        outside it (this one included; counted on the buffer's first call) reaches
+        ``strike_limit``. Anonymous rows are never struck."""
+        struck = np.zeros_like(out)
+        if self.strike_limit is None:
+            return struck
+        for i, r in enumerate(rows):
+            cid = ids[r]
+            if not cid:
+                continue
+            if first:
+                self._strikes[cid] = self.strike_decay * self._strikes.pop(cid, 0.0) + float(
+                    out[i])
+                while len(self._strikes) > self.scorer.max_clients:
+                    self._strikes.popitem(last=False)
+            struck[i] = bool(out[i]) and self._strikes.get(cid, 0.0) >= self.strike_limit
+        return struck
 
     def stat_rows(self, rows: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
         """The voters whose median and MAD set the clipping range: all of them, or a subset of
@@ -456,7 +495,7 @@ class RobustDefault(SybilMean):
         first = not self._committed
         s = self.sybil_weights(x, factors, ids)
         t = self.screen_weights(s, factors, ids, first)
-        rows = self.direction_group(self.voters(s * t, norms), ids)
+        rows = self.direction_group(self.voters(s * t, norms), ids, first)
         # the weight each row votes with in the end: 0 outside the voters (clones, screened,
         # too long, or outside the direction group)
         self.last_effective = np.zeros(len(ids))
@@ -533,14 +572,23 @@ class RobustDefault(SybilMean):
 
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """The Sybil histories and, with the screen on, its residual histories."""
+        """The Sybil histories, the direction stage's strikes and, with the screen on, its
+        residual histories."""
         out = super().state_dict()
         if self.screen is not None:
             out.update({f"screen.{k}": v for k, v in self.screen.state_dict().items()})
+        out["strikes.ids"] = np.array(list(self._strikes), dtype=str)
+        out["strikes.count"] = np.array(list(self._strikes.values()), dtype=np.float64)
         return out
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         super().load_state_dict(state)
+        ids = [str(i) for i in np.asarray(state.get("strikes.ids", np.zeros(0, str))).ravel()]
+        counts = np.asarray(state.get("strikes.count", np.zeros(0)), dtype=np.float64).ravel()
+        if counts.shape != (len(ids),) or not np.isfinite(counts).all():
+            raise AggregationError(f"direction strikes: {len(ids)} ids with counts of shape "
+                                   f"{counts.shape} (all finite expected)")
+        self._strikes = OrderedDict(zip(ids, counts.tolist(), strict=True))
         if self.screen is not None:
             self.screen.load_state_dict({k[len("screen."):]: v for k, v in state.items()
                                          if k.startswith("screen.")})

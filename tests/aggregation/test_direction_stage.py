@@ -125,3 +125,57 @@ def test_linkage_group_reports_the_height_of_the_merge_that_completed_it() -> No
 def test_a_trim_outside_its_range_is_refused(trim: float) -> None:
     with pytest.raises(AggregationError, match="direction_trim"):
         create_aggregator("default", P, direction_trim=trim)
+
+
+def test_a_group_outside_buffer_after_buffer_leaves_past_the_share() -> None:
+    # Prepare: 30 other honest clients fill the history; then buffers of 10 in which the
+    # same 3 attackers (30%) pull one way: more than the stage's share (2 of 10) of a buffer
+    rng = np.random.default_rng(6)
+    struck = create_aggregator("default", P, screen=False)
+    capped = create_aggregator("default", P, screen=False, strike_limit=None)
+    warm = [f"w{i}" for i in range(30)]
+    for start in range(0, 30, 10):
+        x = honest_rows(rng, 10)
+        for agg in (struck, capped):
+            run(agg, x, warm[start:start + 10])
+    ids = [f"h{i}" for i in range(7)] + [f"a{i}" for i in range(3)]
+    votes: dict[str, list[int]] = {"struck": [], "capped": []}
+    honest_votes = []
+    for _ in range(3):
+        x = np.vstack([honest_rows(rng, 7), backdoor_rows(rng, 3)])
+        for name, agg in (("struck", struck), ("capped", capped)):
+            effective = run(agg, x, ids)
+            votes[name].append(int((effective[7:] > 0).sum()))
+            if name == "struck":
+                honest_votes.append(int((effective[:7] > 0).sum()))
+    # Assert: the first buffer keeps one attacker (the share caps the stage); from the
+    # second, the attackers, outside in their last two buffers, all leave; without strikes
+    # one votes in every buffer. An honest row now and then is struck too (the price).
+    assert votes["struck"] == [1, 0, 0]
+    assert votes["capped"] == [1, 1, 1]
+    assert min(honest_votes) >= 5
+    # each buffer outside counts 1, each older one half as much: 1, 1.5, 1.75
+    state = struck.state_dict()
+    counts = dict(zip(state["strikes.ids"].tolist(), state["strikes.count"].tolist(),
+                      strict=True))
+    assert [counts[f"a{i}"] for i in range(3)] == [1.75] * 3
+    # and the counts survive a restart (state_dict / load_state_dict)
+    again = create_aggregator("default", P, screen=False)
+    again.load_state_dict(state)
+    assert again.state_dict()["strikes.count"].tolist() == state["strikes.count"].tolist()
+
+
+@pytest.mark.parametrize("options", [{"strike_limit": 0.0}, {"strike_limit": float("nan")},
+                                     {"strike_decay": 1.0}, {"strike_decay": -0.1}])
+def test_bad_strike_options_are_refused(options: dict[str, float]) -> None:
+    with pytest.raises(AggregationError, match="strike"):
+        create_aggregator("default", P, **options)
+
+
+def test_malformed_strike_state_is_refused() -> None:
+    agg = create_aggregator("default", P, screen=False)
+    state = agg.state_dict()
+    state["strikes.ids"] = np.array(["a", "b"], dtype=str)
+    state["strikes.count"] = np.array([1.0])
+    with pytest.raises(AggregationError, match="strikes"):
+        agg.load_state_dict(state)
