@@ -55,6 +55,11 @@ __all__ = ["SybilWeighting", "sign_bits", "similarity_weights", "sketch_rows", "
 
 Floats = npt.NDArray[np.float64]
 
+#: A gossip peer's collusion screen: z-score ramp and the peers it tracks before judging
+#: (why these values: the comment in :class:`SybilWeighting`; the rule a peer mixes with
+#: takes the same ones, gossip/mixing.py's ``GOSSIP_DEFAULT_OPTIONS``).
+PEER_SCREEN_LOW, PEER_SCREEN_HIGH, PEER_SCREEN_MIN_CLIENTS = 0.7, 1.2, 6
+
 # Columns sketched per block: temporaries stay bounded whatever the model size.
 _SKETCH_COLUMNS = 8192
 
@@ -188,8 +193,9 @@ class SybilWeighting:
         # server's thresholds (2.0 / 2.5) let half of the attackers' models through. A peer
         # tracks few neighbours early, so it starts judging from 6 of them instead of 16.
         self.screen: CollusionScreen | None = CollusionScreen(
-            self.dim, max_clients=self.max_clients, low=0.7, high=1.2, min_clients=6,
-            pair_low=0.65, pair_high=0.75, centre_extra=32)
+            self.dim, max_clients=self.max_clients, low=PEER_SCREEN_LOW,
+            high=PEER_SCREEN_HIGH, min_clients=PEER_SCREEN_MIN_CLIENTS, pair_low=0.65,
+            pair_high=0.75, centre_extra=32)
 
     def tick(self) -> None:
         """Start a new buffer: updates observed before it count as older by one."""

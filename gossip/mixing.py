@@ -23,6 +23,11 @@ from typing import Any
 import numpy as np
 
 from murmura.aggregation import SybilWeighting, create_aggregator
+from murmura.aggregation.sybil_scores import (
+    PEER_SCREEN_HIGH,
+    PEER_SCREEN_LOW,
+    PEER_SCREEN_MIN_CLIENTS,
+)
 from murmura.protocols import FlatVector
 from murmura.protocols.options import parse_options  # the server's reading of rule options
 
@@ -33,8 +38,9 @@ __all__ = ["GOSSIP_DEFAULT_OPTIONS", "mix", "parse_options"]
 #: peer's neighbours send models whose differences from its own carry their whole histories,
 #: and on the robustness benchmark's gossip runs the stage raised the honest peers' backdoor
 #: success (distinct peers 95.7 -> 97.7%, 50%-jitter clones 65.0 -> 72.8%, worst seed).
-GOSSIP_DEFAULT_OPTIONS: dict[str, Any] = {"direction_trim": 0.0, "screen_low": 0.7,
-                                          "screen_high": 1.2, "screen_min_clients": 6}
+GOSSIP_DEFAULT_OPTIONS: dict[str, Any] = {
+    "direction_trim": 0.0, "screen_low": PEER_SCREEN_LOW, "screen_high": PEER_SCREEN_HIGH,
+    "screen_min_clients": PEER_SCREEN_MIN_CLIENTS}
 
 
 def mix(own: FlatVector, received: Sequence[tuple[str, FlatVector]], *, rule: str = "fedavg",

@@ -345,9 +345,10 @@ class PeerNode:
             if key in self._observed or sender in direct or round_ < self.round - 2:
                 continue
             self._observed.add(key)
-            self.sybil.observe(sender, sketch - own)
+            delta = sketch - own
+            self.sybil.observe(sender, delta)
             ids.append(sender)
-            rows.append(sketch - own)
+            rows.append(delta)
         screen = self.sybil.screen
         if screen is not None and len(ids) >= 2:
             screen.observe(ids, np.stack(rows), centre_rows=self.sybil.weights(ids) > 0.5)
