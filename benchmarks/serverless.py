@@ -132,6 +132,8 @@ def _server_main(conn: Any, size: int, config: dict[str, Any]) -> None:
                        "updates": srv.call(lambda: core.traffic.updates),
                        "version": srv.call(lambda: core.version),
                        "publisher_tid": srv.call(_publisher_tid),
+                       "receiver_pids": srv.call(lambda: srv.server.receivers.pids
+                                                 if srv.server.receivers is not None else []),
                        "refused": srv.call(lambda: dict(core.traffic.refused))})
         elif cmd == "stop":
             srv.stop(grace=None)
@@ -161,7 +163,8 @@ class ServerProcess:
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds so far: the gateway process itself (every thread of it), its publisher
-        thread alone, and everything it started (forkserver and workers, live or reaped)."""
+        thread alone, everything it started (forkserver, workers and receivers, live or
+        reaped), and of that its receiver processes."""
         pid = self.proc.pid
         assert pid is not None
         if self.publisher_tid is None:
@@ -169,7 +172,8 @@ class ServerProcess:
         gateway = cpu_seconds(pid)
         publisher = (cpu_seconds(pid, self.publisher_tid)
                      if self.publisher_tid is not None else 0.0)
-        return {"gateway": gateway, "publisher": publisher,
+        receivers = sum(cpu_seconds(r) for r in self.stats()["receiver_pids"])
+        return {"gateway": gateway, "publisher": publisher, "receivers": receivers,
                 "workers": tree_cpu_seconds(pid) - gateway}
 
     def stop(self) -> None:
@@ -321,7 +325,8 @@ def pusher_procs(cores: int) -> int:
 
 
 def measure(load: str, workers: int, paths: list[Path], codec: str, count: int, *,
-            cores: int, backend: str = "process", idle: bool = False) -> dict[str, Any]:
+            cores: int, backend: str = "process", idle: bool = False,
+            receivers: int = 0) -> dict[str, Any]:
     size, _, options, rule = LOADS[load]
     train = {"codec": codec, "codec_options": options}
     if codec == "seed":
@@ -335,6 +340,8 @@ def measure(load: str, workers: int, paths: list[Path], codec: str, count: int, 
               "backend": backend, "defense": rule, "max_payload_mb": 256, "train": train}
     if workers > 0:
         config["max_workers"] = workers
+    if receivers:  # pushes received in their own processes (server/receivers.py)
+        config["receivers"] = receivers
     server = ServerProcess(size, **config)
     ctx = mp.get_context("spawn")
     stop, ready, (rx, tx) = ctx.Event(), ctx.Event(), ctx.Pipe(duplex=False)
@@ -367,13 +374,15 @@ def measure(load: str, workers: int, paths: list[Path], codec: str, count: int, 
         serial = max(cpu1["gateway"] - cpu0["gateway"] - background * elapsed_all, 0.0)
         parallel = cpu1["workers"] - cpu0["workers"]
         row: dict[str, Any] = {
-            "load": load, "workers": workers, "path": _path_name(workers, backend),
+            "load": load, "workers": workers, "receivers": receivers,
+            "path": _path_name(workers, backend, receivers),
             "pushes": count, "seconds": elapsed_all, "updates_per_s": count / elapsed_all,
             "taken": stats["updates"], "versions": stats["version"],
             "join_p99_ms": p99(join_ms), "task_p99_ms": p99(task_ms), "probes": len(join_ms),
             "refused": sum(stats["refused"].values()),
             "serial_ms": 1e3 * serial / n, "parallel_ms": 1e3 * parallel / n,
             "publisher_ms": 1e3 * (cpu1["publisher"] - cpu0["publisher"]) / n,
+            "receivers_ms": 1e3 * (cpu1["receivers"] - cpu0["receivers"]) / n,
             "pushers_cpu_ms": 1e3 * pushers_cpu / count,
             "worker_folds": stats["folds"].get("worker_folds", 0),
             "background_ms_per_s": 1e3 * background,
@@ -398,16 +407,32 @@ def measure(load: str, workers: int, paths: list[Path], codec: str, count: int, 
         server.stop()
 
 
+def plan(load: str, counts: list[int], receivers: int) -> list[tuple[int, int]]:
+    """(workers, receivers) per row of ``load``: every worker count with ``receivers``
+    receiver processes (-1: as many as workers); the int8 and top-k loads, whose receive is
+    most of the gateway's work, once more at the most workers with the gateway receiving, to
+    compare. `default` spends seconds per version on its rule: the two ends only."""
+    top = max(counts)
+    def with_receivers(w: int) -> int:
+        return 0 if w == 0 else w if receivers < 0 else receivers
+    rows = [(w, with_receivers(w)) for w in (counts if load != "default" else [0, top])]
+    if load in ("int8", "topk") and with_receivers(top):
+        rows.append((top, 0))
+    return rows
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
 
-def _path_name(workers: int, backend: str) -> str:
+def _path_name(workers: int, backend: str, receivers: int = 0) -> str:
     if workers == 0:
         return "in-process (workers 0)"
     if backend == "ray":
         return "Ray, local"
-    return f"{workers} worker process{'es' if workers > 1 else ''}"
+    name = f"{workers} worker process{'es' if workers > 1 else ''}"
+    return f"{name} + {receivers} receiver{'s' if receivers > 1 else ''}" if receivers \
+        else f"{name}, gateway receives"
 
 
 # -- hierarchy ---------------------------------------------------------------------------------
@@ -514,6 +539,9 @@ def run(argv: list[str] | None = None) -> int:
         parser.add_argument("--workers", default="", metavar="LIST",
                             help="worker counts to measure, e.g. 0,1,2,4,8,12,14 (default: 0, "
                                  "1, 2, doubling, and cores - 2)")
+        parser.add_argument("--receivers", type=int, default=-1, metavar="N",
+                            help="receiver processes beside W workers (default -1: W; 0: the "
+                                 "gateway receives every push)")
 
     args = parse_args("serverless", "Where the tier's CPU goes, and how it scales with workers",
                       argv, extra)
@@ -541,10 +569,13 @@ def run(argv: list[str] | None = None) -> int:
             progress(f"{load}: encoding 8 updates")
             codec, paths = make_payloads(load, folder)
             # `default` spends seconds per version on its rule: the two ends only
-            for workers in counts if load != "default" else [0, top]:
-                progress(f"{load}: {_path_name(workers, 'process')}, {pushes[load]} pushes")
+            for workers, receivers in plan(load, counts, args.receivers):
+                progress(f"{load}: {_path_name(workers, 'process', receivers)}, "
+                         f"{pushes[load]} pushes")
                 row = measure(load, workers, paths, codec, pushes[load], cores=cores,
-                              idle=workers == top and load == "int8")
+                              idle=workers == top and load == "int8" and receivers > 0,
+                              receivers=receivers)
+                row["comparison"] = workers > 0 and not receivers and args.receivers != 0
                 rows.append(row)
                 progress(f"  {row['updates_per_s']:.2f} updates/s; CPU per update: serial "
                          f"{row['serial_ms']:.2f} ms, workers {row['parallel_ms']:.2f} ms "
@@ -579,6 +610,7 @@ def run(argv: list[str] | None = None) -> int:
             Column("serial_ms", "serial CPU ms/update", "{:.2f}"),
             Column("publisher_ms", "of it publisher", "{:.2f}"),
             Column("parallel_ms", "workers CPU ms/update", "{:.2f}"),
+            Column("receivers_ms", "of it receivers", "{:.2f}"),
             Column("serial_share", "serial share", "{:.1%}"),
             Column("n_max", "N_max", "{:.1f}"),
             Column("pushers_cpu_ms", "pushers ms/update", "{:.2f}"),
@@ -597,7 +629,9 @@ def run(argv: list[str] | None = None) -> int:
                   Column("max_abs_diff", "max |flat - tree|", "{:.3g}"),
                   Column("flat_s_per_version", "flat s/version", "{:.3f}"),
                   Column("tree_s_per_version", "3 levels s/version", "{:.3f}")], [tree])
-    widest = {load: next(r for r in rows if r["load"] == load and r["workers"] == top)
+    widest = {load: next(r for r in rows if r["load"] == load and r["workers"] == top
+                         and r["receivers"] == max(x["receivers"] for x in rows
+                                                   if x["load"] == load and x["workers"] == top))
               for load in LOADS}
     for load, goal in SERIAL_GOALS.items():
         r = widest[load]
@@ -607,7 +641,8 @@ def run(argv: list[str] | None = None) -> int:
                              f"ms per update; N_max {r['n_max']:.1f}")
     if cores >= SCALE_WORKERS:
         for load in ("int8", "topk", "seed"):
-            r = next(r for r in rows if r["load"] == load and r["workers"] == SCALE_WORKERS)
+            r = max((r for r in rows if r["load"] == load and r["workers"] == SCALE_WORKERS),
+                    key=lambda r: r["updates_per_s"])
             report.target(f"{load}: updates/s with {SCALE_WORKERS} workers ÷ in-process",
                           r["vs_in_process"], ">=", SCALE_GOAL, unit="x",
                           detail=f"{cores} cores")
@@ -633,10 +668,14 @@ def run(argv: list[str] | None = None) -> int:
         f"answers, and a probe process times a Join and a GetTask every "
         f"{1e3 * PROBE_PERIOD_S:g} ms. 'in-process' decodes and folds in the gateway "
         f"(`--workers 0`); 'W worker processes' is the tier with `--workers W`, which folds "
-        f"FedAvg updates in the workers (server/folds.py). CPU from /proc: serial = the "
+        f"FedAvg updates in the workers (server/folds.py); '+ R receivers' adds `--receivers "
+        f"R`: R processes that receive the Push streams on their own port into the tier's "
+        f"shared memory and hand each update to the gateway (server/receivers.py); 'gateway "
+        f"receives' is the same tier without them. CPU from /proc: serial = the "
         f"gateway process (all its threads: gRPC, event loop, publisher) less what it spends "
         f"per second with the probe alone and no updates (read for {BACKGROUND_S:g} s before "
-        f"each load), workers = the processes it started; N_max = (serial + workers) / "
+        f"each load), workers = the processes it started (receivers included, also shown "
+        f"alone); N_max = (serial + workers) / "
         f"serial. The FedAvg loads never "
         f"publish (buffer larger than the load); `default` publishes every {DEFAULT_BUFFER} "
         f"updates and its time includes those versions (it runs in-process and with the most "
@@ -651,12 +690,16 @@ def _plot(report: Report, rows: list[dict[str, Any]], counts: list[int], cores: 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for load in LOADS:
-        mine = sorted((r for r in rows if r["load"] == load and r["path"] != "Ray, local"),
-                      key=lambda r: r["workers"])
+        mine = sorted((r for r in rows if r["load"] == load and r["path"] != "Ray, local"
+                       and not r.get("comparison")), key=lambda r: r["workers"])
         xs = [r["workers"] for r in mine]
         axes[0].plot(xs, [r["vs_in_process"] for r in mine], marker="o", label=load)
-        axes[1].plot(xs[1:], [100 * r["serial_share"] for r in mine[1:]], marker="o",
-                     label=load)
+        line = axes[1].plot(xs[1:], [100 * r["serial_share"] for r in mine[1:]], marker="o",
+                            label=load)[0]
+        for r in rows:  # the gateway receiving, for comparison: a cross in the load's colour
+            if r["load"] == load and r.get("comparison"):
+                axes[1].plot([r["workers"]], [100 * r["serial_share"]], marker="x", ms=9,
+                             color=line.get_color(), ls="none")
     axes[0].plot(counts, [max(c, 1) for c in counts], ls=":", color="grey", label="linear")
     if cores >= SCALE_WORKERS:
         axes[0].plot([SCALE_WORKERS], [SCALE_GOAL], marker="*", color="black", ms=10,
@@ -664,7 +707,7 @@ def _plot(report: Report, rows: list[dict[str, Any]], counts: list[int], cores: 
     axes[0].set_xlabel("worker processes (0: in-process)")
     axes[0].set_ylabel("updates/s ÷ in-process")
     axes[1].axhline(5, color="grey", ls="--", lw=0.8, label="target 5 % (15 % default)")
-    axes[1].set_xlabel("worker processes")
+    axes[1].set_xlabel("worker processes (x: the gateway receives pushes itself)")
     axes[1].set_ylabel("serial share of an update's CPU (%)")
     for ax in axes:
         ax.grid(alpha=0.3)

@@ -124,6 +124,11 @@ FIELD_HELP: dict[str, dict[str, str]] = {
         "worker_folds": "{worker_folds}: fold accepted updates into partial aggregates in the "
                         "process workers (auto: for fedavg/FedBuff on models of 65,536 "
                         "values or more; off: one fold at a time on the publisher)",
+        "receivers": "processes that receive pushes (gRPC Push) on their own port, so the "
+                     "gateway process only checks and hands on each update (0: the gateway "
+                     "receives them; needs worker processes)",
+        "push_port": "the receivers' port on this host, announced to clients at Join (0: any "
+                     "free port)",
     },
     "SecurityConfig": {
         "join_token": "clients must present this token at Join (empty: none needed)",

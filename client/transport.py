@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -177,6 +177,11 @@ class GrpcTransport(Transport):
         self._push = self._channel.stream_unary(
             "/murmura.v1.Aggregator/Push", request_serializer=serde.serialize_update_item,
             response_deserializer=pb.PushReply.FromString)
+        self._options = options
+        #: Set from Join when the server runs receiver processes: pushes go to that port.
+        self._push_channel: grpc.Channel | None = None
+        self._push_remote: Any = None
+        self.push_address = ""
         self._pull = self._channel.unary_stream(
             "/murmura.v1.Aggregator/Pull", request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=serde.deserialize_model_item)
@@ -285,7 +290,28 @@ class GrpcTransport(Transport):
             reply = self._stub.Join(req, timeout=self.timeout_s, wait_for_ready=True)
         except grpc.RpcError as exc:
             raise self._wrap(exc) from None
-        return serde.join_result_from_proto(reply)
+        result, spec = serde.join_result_from_proto(reply)
+        self._use_push_port(result.push_port)
+        return result, spec
+
+    def _use_push_port(self, port: int) -> None:
+        """Push to the receivers' ``port`` on the aggregator's host (0: to the aggregator)."""
+        address = f"{self.address.rsplit(':', 1)[0]}:{port}" if port else ""
+        if address == self.push_address:
+            return
+        if self._push_channel is not None:
+            self._push_channel.close()
+        self._push_channel, self._push_remote, self.push_address = None, None, address
+        if not address:
+            return
+        if self.tls is not None:
+            self._push_channel = grpc.secure_channel(address, channel_credentials(self.tls),
+                                                     self._options)
+        else:  # the aggregator's own address passed the plaintext check; same host
+            self._push_channel = grpc.insecure_channel(address, options=self._options)
+        self._push_remote = self._push_channel.stream_unary(
+            "/murmura.v1.Aggregator/Push", request_serializer=serde.serialize_update_item,
+            response_deserializer=pb.PushReply.FromString)
 
     def task(self, session: str, wait_s: float) -> Task:
         try:
@@ -351,10 +377,23 @@ class GrpcTransport(Transport):
 
     def push(self, header: UpdateHeader, payload: bytes) -> PushResult:
         items = list(serde.iter_update_items(header, payload, self.chunk_bytes))
-        try:
-            reply = self._push(iter(items), timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            raise self._wrap(exc) from None
+        reply = None
+        if self._push_remote is not None:  # the receivers' port
+            try:
+                reply = self._push_remote(iter(items), timeout=self.timeout_s)
+            except grpc.RpcError as exc:
+                error = self._wrap(exc)
+                if error.status not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                    raise error from None
+                # no receiver answered (restarting, or the port is blocked): the aggregator
+                # serves Push too, and a retried update that was taken is a duplicate there
+                log.info("push to the receivers at %s failed (%s); pushing to %s instead",
+                         self.push_address[:80], error.status, self.address[:80])
+        if reply is None:
+            try:
+                reply = self._push(iter(items), timeout=self.timeout_s)
+            except grpc.RpcError as exc:
+                raise self._wrap(exc) from None
         self._bytes_up += sum(serde.data_chunk_wire_bytes(len(c)) if isinstance(c, memoryview)
                               else c.ByteSize() for c in items)
         return serde.push_result_from_proto(reply)
@@ -371,6 +410,8 @@ class GrpcTransport(Transport):
             raise self._wrap(exc) from None
 
     def close(self) -> None:
+        if self._push_channel is not None:
+            self._push_channel.close()
         self._channel.close()
 
     @property

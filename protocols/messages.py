@@ -133,6 +133,8 @@ class JoinResult:
     max_payload_bytes: int
     #: The run's secure-aggregation encoding, None when the run does not use it.
     secagg: SecAggParams | None = None
+    #: Non-zero: the port (on the aggregator's host) whose receiver processes take pushes.
+    push_port: int = 0
 
 
 # -- gossip mode ------------------------------------------------------------------------------

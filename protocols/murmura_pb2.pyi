@@ -110,20 +110,22 @@ class ChallengeReply(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("session", "settings", "spec", "mode", "max_payload_bytes", "secagg")
+    __slots__ = ("session", "settings", "spec", "mode", "max_payload_bytes", "secagg", "push_port")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     SECAGG_FIELD_NUMBER: _ClassVar[int]
+    PUSH_PORT_FIELD_NUMBER: _ClassVar[int]
     session: str
     settings: TaskSettings
     spec: ModelSpec
     mode: str
     max_payload_bytes: int
     secagg: SecAggParams
-    def __init__(self, session: _Optional[str] = ..., settings: _Optional[_Union[TaskSettings, _Mapping]] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., mode: _Optional[str] = ..., max_payload_bytes: _Optional[int] = ..., secagg: _Optional[_Union[SecAggParams, _Mapping]] = ...) -> None: ...
+    push_port: int
+    def __init__(self, session: _Optional[str] = ..., settings: _Optional[_Union[TaskSettings, _Mapping]] = ..., spec: _Optional[_Union[ModelSpec, _Mapping]] = ..., mode: _Optional[str] = ..., max_payload_bytes: _Optional[int] = ..., secagg: _Optional[_Union[SecAggParams, _Mapping]] = ..., push_port: _Optional[int] = ...) -> None: ...
 
 class TaskRequest(_message.Message):
     __slots__ = ("session", "wait_s")

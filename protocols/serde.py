@@ -119,13 +119,13 @@ def join_result_to_proto(r: JoinResult, spec: ModelSpec) -> pb.JoinReply:
     return pb.JoinReply(session=r.session, settings=settings_to_proto(r.settings),
                         spec=spec_to_proto(spec), mode=r.mode,
                         max_payload_bytes=r.max_payload_bytes,
-                        secagg=secagg_params_to_proto(r.secagg))
+                        secagg=secagg_params_to_proto(r.secagg), push_port=r.push_port)
 
 
 def join_result_from_proto(m: pb.JoinReply) -> tuple[JoinResult, ModelSpec]:
     result = JoinResult(session=m.session, settings=settings_from_proto(m.settings),
                         mode=m.mode, max_payload_bytes=m.max_payload_bytes,
-                        secagg=secagg_params_from_proto(m.secagg))
+                        secagg=secagg_params_from_proto(m.secagg), push_port=m.push_port)
     return result, spec_from_proto(m.spec)
 
 

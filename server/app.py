@@ -29,6 +29,7 @@ from murmura.tasks.app import AppTask
 
 if TYPE_CHECKING:
     from murmura.server.columns import ProcessColumns
+    from murmura.server.receivers import ReceiverHub
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ class AggregatorServer:
         self._ticker: asyncio.Task[None] | None = None
         self._done = asyncio.Event()
         self.servicer: AggregatorServicer | None = None
+        self.receivers: ReceiverHub | None = None
 
     @property
     def address(self) -> str:
@@ -217,6 +219,8 @@ class AggregatorServer:
             raise OSError(f"could not bind {self.requested_address}")
         await server.start()
         self._server = server
+        if cfg.tier.receivers:  # pushes received in their own processes (server/receivers.py)
+            await self._start_receivers(cfg.tier)
         self.core.add_listener(self._check_done)
         self._ticker = asyncio.create_task(self._tick())
         where = ("in-process" if self.tier.inline else
@@ -225,6 +229,26 @@ class AggregatorServer:
         log.info("aggregator listening on %s (mode=%s, decoding: %s, %s, identities %s)",
                  self.address, cfg.mode, where, link,
                  "required" if security.require_identity else "off")
+
+    async def _start_receivers(self, tier: TierConfig) -> None:
+        from murmura.server.receivers import ReceiverHub, TlsFiles
+
+        security = self.core.config.security
+        tls = TlsFiles(security.tls_cert, security.tls_key, security.client_ca) \
+            if security.tls_cert else None
+        assert self.servicer is not None
+        self.receivers = hub = ReceiverHub(
+            self.servicer, tier.receivers, host=self.requested_address.rsplit(":", 1)[0],
+            port=tier.push_port, tls=tls, max_message_bytes=MAX_MESSAGE_BYTES)
+        self.servicer.push_port = await hub.start()
+        extras = self.core.row_extras
+        self.core.row_extras = lambda: {**(extras() if extras is not None else {}),
+                                        **hub.stats()}
+
+    @property
+    def push_port(self) -> int:
+        """The receivers' port (0 without receivers: pushes go to :attr:`port`)."""
+        return self.receivers.port if self.receivers is not None else 0
 
     def _fold_in_workers(self, tier: TierConfig) -> None:
         """Workers fold accepted updates into partial aggregates (server/folds.py) when the
@@ -296,6 +320,9 @@ class AggregatorServer:
     async def stop(self, grace: float | None = 1.0) -> None:
         if self._ticker is not None:
             self._ticker.cancel()
+        if self.receivers is not None:  # they finish their calls first
+            await self.receivers.stop()
+            self.receivers = None
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None

@@ -165,6 +165,8 @@ class TierConfig:
     backend: str = "process"       # process (local worker processes) or ray
     ray_address: str = ""          # backend ray: a cluster address; empty starts a local Ray
     worker_folds: str = "auto"     # fold accepted updates in the workers (server/folds.py)
+    receivers: int = 0             # processes that receive pushes on push_port (0: the gateway)
+    push_port: int = 0             # the receivers' port on the server's host (0: any free one)
 
     def __post_init__(self) -> None:
         if self.worker_folds not in WORKER_FOLDS:
@@ -188,6 +190,18 @@ class TierConfig:
             raise ValueError('backend \'ray\': Ray is not installed: pip install "murmura[ray]"')
         if self.ray_address and self.backend != "ray":
             raise ValueError("ray_address is only for backend 'ray'")
+        if self.receivers < 0:
+            raise ValueError(f"receivers must be >= 0 (0: the gateway receives pushes), got "
+                             f"{self.receivers}")
+        if self.receivers and self.workers == 0:
+            raise ValueError("receivers write payloads into the tier's shared memory, which "
+                             "exists only with worker processes: set workers to -1 or N > 0, "
+                             "or receivers to 0")
+        if not 0 <= self.push_port <= 65535:
+            raise ValueError(f"push_port must be a TCP port (0: any free one), got "
+                             f"{self.push_port}")
+        if self.push_port and not self.receivers:
+            raise ValueError("push_port is the receivers' port: set receivers > 0 as well")
 
     @property
     def worker_limit(self) -> int:

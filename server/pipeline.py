@@ -100,10 +100,12 @@ class PushPipeline:
 
     async def complete(self, header: UpdateHeader, lease: ReceiveBuffer | Slab, received: int,
                        wire_bytes: int, *, cancelled: Callable[[], bool],
-                       at: Callable[[str], None] = lambda step: None) -> PushResult:
+                       at: Callable[[str], None] = lambda step: None,
+                       checked: Any = None) -> PushResult:
         """Steps 3 to 6 for a payload the transport landed in ``lease`` (which belongs to the
         pipeline from here on). ``cancelled`` says whether the client went away: before the
-        update is taken it then does not count; ``at`` marks each step (tests)."""
+        update is taken it then does not count; ``at`` marks each step (tests); ``checked``
+        is a receiver's check of the payload (:meth:`Tier.decode`)."""
         core, tier = self.core, self.tier
         try:
             duplicate = self._begin(header, received, wire_bytes)
@@ -119,7 +121,7 @@ class PushPipeline:
         try:
             at("push.decode")
             decoded, release = await tier.decode(header, lease, core.reference_for(header),
-                                                 header.base_version)
+                                                 header.base_version, checked=checked)
         except BaseException as exc:
             core.abort_push(header, exc)
             raise

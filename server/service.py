@@ -14,9 +14,9 @@ from typing import Any
 
 import grpc
 
+from murmura.protocols import UpdateHeader, serde
 from murmura.protocols import murmura_pb2 as pb
 from murmura.protocols import murmura_pb2_grpc as pb_grpc
-from murmura.protocols import serde
 from murmura.protocols.pool import POOL_SCALARS_CODEC
 from murmura.protocols.serde import Malformed, tolerant
 from murmura.server.buffers import ReceiveBuffer
@@ -25,6 +25,7 @@ from murmura.server.errors import InvalidArgument, ServiceError, Unavailable
 from murmura.server.futures import wait_for_thread
 from murmura.server.limits import MAX_TEXT, check_number, check_text
 from murmura.server.pipeline import PushPipeline
+from murmura.server.push_stream import PushStream
 from murmura.server.slabs import Slab
 from murmura.server.telemetry import timed_handlers
 from murmura.server.tier import Tier
@@ -89,6 +90,9 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self._event: asyncio.Event | None = None
         self._signature: tuple[Any, ...] = ()  # the core's task signature at the last wake
         self.log_limit = LogLimiter()
+        #: Non-zero while receiver processes take pushes on this port (server/receivers.py):
+        #: Join tells clients.
+        self.push_port = 0
         #: Tests: called with the name of each await point (AWAIT_POINTS) just before the
         #: handler waits there, e.g. to cancel the handler's task at that point.
         self.await_hook: Callable[[str], None] | None = None
@@ -155,6 +159,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         except ServiceError as exc:
             self.log_limit.log(exc.status, "join refused: %s %s", exc.status, exc.message)
             await self._abort(context, exc)
+        if self.push_port:
+            result = dataclasses.replace(result, push_port=self.push_port)
         return serde.join_result_to_proto(result, self.core.spec)
 
     async def Challenge(self, request: pb.ChallengeRequest, context: grpc.aio.ServicerContext
@@ -222,68 +228,25 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         """Header checks, the payload straight into its buffer, decoding by an aggregation
         function (a worker process unless ``workers = 0``), then the policy; the event loop
         itself only moves bytes."""
-        header = None
-        lease: ReceiveBuffer | Slab | None = None
-        received = wire = expected = 0
-        tier = self.tier
+        stream = PushStream()
         try:
             self._at("push.receive")
-            async for item in request_iterator:
-                # Payload chunks arrive as zero-copy views of gRPC's message bytes
-                # (serde.deserialize_update_item) and are copied once, straight into their
-                # place in the buffer or slab that the decode, the spool and the fold read.
-                if type(item) is memoryview:
-                    if lease is None:
-                        raise InvalidArgument("the first chunk of a push must be its header")
-                    end = received + len(item)
-                    if end > expected:
-                        raise InvalidArgument(f"more payload than the {expected} bytes the "
-                                              f"header announced")
-                    lease.write(received, item)
-                    wire += serde.data_chunk_wire_bytes(len(item))
-                    received = end
-                    continue
-                if isinstance(item, Malformed):
-                    raise InvalidArgument(f"{item.what} does not parse")
-                kind = item.WhichOneof("kind")
-                if header is None:
-                    if kind != "header":
-                        raise InvalidArgument("the first chunk of a push must be its header")
-                    wire += item.ByteSize()
-                    header = serde.update_header_from_proto(item.header)
-                    self.pipeline.precheck(header)  # refuse before receiving a payload
-                    # Each chunk is copied in as it arrives, overlapping the transfer, into a
-                    # buffer whose pages are already mapped (a fresh one faults on every page).
-                    lease = self.pipeline.receive(header.payload_bytes)
-                    expected = header.payload_bytes
-                elif kind == "data":  # a data chunk a peer framed with another field set
-                    data = memoryview(item.data)
-                    end = received + len(data)
-                    if end > expected:
-                        raise InvalidArgument(f"more payload than the {expected} bytes the "
-                                              f"header announced")
-                    assert lease is not None
-                    lease.write(received, data)
-                    wire += serde.data_chunk_wire_bytes(len(data))
-                    received = end
-                else:
-                    raise InvalidArgument("a push carries exactly one header chunk")
-            if header is None:
-                raise InvalidArgument("empty push: no header chunk")
-            if received != header.payload_bytes:
-                raise InvalidArgument(f"header announced {header.payload_bytes} payload bytes, "
-                                      f"the stream carried {received}")
-            assert lease is not None
-            taken, lease = lease, None  # the pipeline owns it now, also when decoding fails
-            result = await self.pipeline.complete(header, taken, received, wire,
+            header = await stream.read(request_iterator, self._open)  # type: ignore[arg-type]
+            taken, stream.lease = stream.lease, None  # the pipeline owns it now
+            result = await self.pipeline.complete(header, taken, stream.received, stream.wire,
                                                   cancelled=context.cancelled, at=self._at)
         except ServiceError as exc:
             self.log_limit.log(exc.status, "push refused: %s %s", exc.status, exc.message)
             await self._abort(context, exc)
         finally:
-            if lease is not None:
-                tier.discard(lease)
+            if stream.lease is not None:
+                self.tier.discard(stream.lease)
         return serde.push_result_to_proto(result)
+
+    async def _open(self, header: UpdateHeader) -> ReceiveBuffer | Slab:
+        """The checks a header allows, then the buffer its payload lands in."""
+        self.pipeline.precheck(header)  # refuse before receiving a payload
+        return self.pipeline.receive(header.payload_bytes)
 
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext
                     ) -> pb.LeaveReply:

@@ -31,7 +31,7 @@ from murmura.protocols.codecs.partial import KIND_EXACT, PARTIAL_CODEC
 from murmura.server.buffers import DEFAULT_MAX_FREE, BufferPool, ReceiveBuffer
 from murmura.server.config import TierConfig
 from murmura.server.decoding import Decoded, Decoder
-from murmura.server.errors import ResourceExhausted
+from murmura.server.errors import ResourceExhausted, ServiceError
 from murmura.server.slabs import (
     OutArray,
     OutRef,
@@ -104,7 +104,8 @@ def decode_job(decoder: Decoder, codec: str, payload: SlabRef | bytes, reference
     return write_out(out, array, meta)
 
 
-def check_payload_job(decoder: Decoder, codec: str, payload: SlabRef | bytes) -> DecodedMeta:
+def check_payload_job(decoder: Decoder, codec: str,
+                      payload: SlabRef | bytes | memoryview) -> DecodedMeta:
     """The aggregation function for an update that a worker will fold straight from its
     payload (server/folds.py): check it as decoding would, write nothing."""
     torch.set_num_threads(1)
@@ -227,11 +228,14 @@ class Tier:
         return self.outputs.acquire(nbytes)
 
     async def decode(self, header: UpdateHeader, lease: ReceiveBuffer | Slab,
-                     reference: FlatVector | None, reference_version: int
+                     reference: FlatVector | None, reference_version: int, *,
+                     checked: DecodedMeta | ServiceError | None = None
                      ) -> tuple[Decoded, Callable[[], None]]:
         """Decode the payload in ``lease``; returns the update and its ``release`` callback.
 
-        The lease belongs to the tier from here on, also when decoding fails.
+        The lease belongs to the tier from here on, also when decoding fails. ``checked``: a
+        receiver process already ran :func:`check_payload_job` on this payload (the update
+        will be folded from it), and this is its outcome; no worker checks it again.
         """
         if self.backend is None:
             return self.decode_inline(header, lease, reference)
@@ -240,6 +244,8 @@ class Tier:
         slabs = self.slabs
         payload = lease.buf[:header.payload_bytes]
         if self.fuse and self.decoder.fusable(header.codec):
+            if checked is not None:
+                return self._checked(header, lease, t0, checked)
             return await self._check(header, lease, t0)
         out_bytes = output_nbytes(self.decoder, header.codec, payload[:24])
         if header.codec == DENSE:
@@ -321,6 +327,25 @@ class Tier:
         self._count(t0)
         decoded = Decoded(None, max_abs=meta.max_abs, payload_sha256=meta.payload_sha256,
                           shared=ref, codec=header.codec)
+        return decoded, release
+
+    def _checked(self, header: UpdateHeader, lease: Slab, t0: float,
+                 checked: DecodedMeta | ServiceError) -> tuple[Decoded, Callable[[], None]]:
+        """:meth:`_check`'s outcome, from the receiver that checked the payload."""
+        slabs = self.slabs
+        assert slabs is not None
+
+        def release() -> None:
+            slabs.release(lease)
+        if not isinstance(checked, DecodedMeta):
+            release()
+            if isinstance(checked, ServiceError):
+                raise checked
+            raise TypeError(f"a payload check's outcome is a DecodedMeta or a refusal, got "
+                            f"{type(checked).__name__}")
+        self._count(t0)
+        decoded = Decoded(None, max_abs=checked.max_abs, payload_sha256=checked.payload_sha256,
+                          shared=lease.ref(0, header.payload_bytes), codec=header.codec)
         return decoded, release
 
     def decode_inline(self, header: UpdateHeader, lease: ReceiveBuffer | Slab,

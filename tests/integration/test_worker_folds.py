@@ -43,15 +43,16 @@ def run(serve, *, workers: int, folds: str = "on", codec: str = "dense-f32",
         clients: int = 5, versions: int = 2, mode: str = "sync", accumulator: str = "float32",
         options: dict[str, str] | None = None, before_push=None, out_dir: Path | None = None,
         size: int = SIZE, defense: str = "fedavg", make_update=update_for,
-        in_order: bool = False) -> tuple[np.ndarray, dict]:
+        in_order: bool = False, receivers: int = 0) -> tuple[np.ndarray, dict]:
     """``versions`` versions of ``clients`` concurrent pushes (``in_order``: one after the
     other, in client order, for an async buffer whose order matters); the final model and
-    the last metrics row's tier figures. Also used by test_rule_columns.py."""
+    the last metrics row's tier figures (``receivers``: pushed through that many receiver
+    processes). Also used by test_rule_columns.py and test_receivers.py."""
     extra = {"buffer_size": clients} if mode == "async" else {}
     cfg = ServerConfig.from_flat(min_clients=clients, max_versions=versions, workers=workers,
                                  max_workers=max(workers, 1), worker_folds=folds, mode=mode,
                                  require_identity=False, accumulator=accumulator,
-                                 defense=defense,
+                                 defense=defense, receivers=receivers,
                                  train=TaskSettings(codec=codec, codec_options=options or {}),
                                  **extra)
     if out_dir is None:
@@ -64,6 +65,7 @@ def run(serve, *, workers: int, folds: str = "on", codec: str = "dense-f32",
         before_push(srv)
     t = GrpcTransport(srv.address, timeout_s=60)
     sessions = [t.join(f"client-{i}", DeviceProfile())[0].session for i in range(clients)]
+    assert bool(t.push_address) == bool(receivers)
     codec_obj = create_codec(codec, options or {})
     for _ in range(versions):
         tasks = [t.task(s, 5.0) for s in sessions]

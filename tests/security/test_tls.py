@@ -150,6 +150,29 @@ def test_mutual_tls_refuses_clients_without_a_valid_certificate(serve, pki) -> N
     assert all(rt.stats.pushed == 1 and rt.stats.refused == 0 for rt in runtimes)
 
 
+def test_receivers_speak_the_servers_mutual_tls_and_take_signed_updates(serve, pki) -> None:
+    """Receiver processes (--receivers) serve their port with the server's certificate and
+    its client CA: signed updates of mutual-TLS clients land through them; a client without
+    a certificate, or without TLS, reaches nothing there."""
+    srv = serve(tls_cert=str(pki["cert"]), tls_key=str(pki["key"]), client_ca=str(pki["ca"]),
+                workers=1, receivers=1)
+    ca = str(pki["ca"])
+    runtimes = train_two_clients(srv, ClientTls(ca, str(pki["client_cert"]),
+                                                str(pki["client_key"])))
+    assert srv.call(lambda: srv.core.version) == 1
+    np.testing.assert_allclose(srv.call(lambda: srv.core.params.copy()), [1.5] * 4)
+    assert all(rt.stats.pushed == 1 and rt.stats.refused == 0 for rt in runtimes)
+    assert srv.call(srv.server.receivers.stats)["receiver_pushes"] == 2
+    port = srv.call(lambda: srv.server.push_port)
+    for creds in (None, grpc.ssl_channel_credentials(pki["ca"].read_bytes())):
+        address = f"127.0.0.1:{port}"
+        channel = grpc.insecure_channel(address) if creds is None else \
+            grpc.secure_channel(address, creds)  # TLS, but no client certificate
+        with channel:
+            with pytest.raises(grpc.FutureTimeoutError):
+                grpc.channel_ready_future(channel).result(timeout=1.5)
+
+
 def test_identity_refusals_carry_precise_grpc_statuses(serve) -> None:
     srv = serve(min_clients=1, mode="async", buffer_size=1, max_versions=5)
     channel = grpc.insecure_channel(srv.address)
