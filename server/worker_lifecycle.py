@@ -149,8 +149,11 @@ class WorkerLifecycle:
         loop.add_reader(worker.process.sentinel, self._on_exit, worker)
 
     def _on_readable(self, worker: _Worker) -> None:
+        # One message per wake-up: the loop's reader is level-triggered, so a second message
+        # already in the pipe wakes it again (Connection.poll builds a selector per call,
+        # which cost more than the message on a busy gateway).
         try:
-            while worker.reading and worker.conn.poll():
+            if worker.reading:
                 self._handle(worker, worker.conn.recv())
         except (EOFError, OSError):
             # The pipe closed: the worker is exiting or dead; its sentinel does the rest.
