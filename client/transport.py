@@ -7,6 +7,7 @@ runtime runs unchanged over the network and inside a simulated federation.
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 #: How long a first contact waits for an answer before it fails with UNAVAILABLE, naming the
 #: address; the retry policy then tries again or gives up.
 CONNECT_TIMEOUT_S = 3.0
+#: After the receivers' port failed (nothing answered, or no connection within the connect
+#: timeout: a firewall that drops packets), pushes go to the aggregator for this long before
+#: the port is tried again, so a blocked port costs one wait, not one per push.
+PUSH_PORT_RETRY_S = 60.0
 
 #: Statuses worth retrying after a pause: the server is away, overloaded or restarting.
 RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED"})
@@ -181,6 +186,7 @@ class GrpcTransport(Transport):
         #: Set from Join when the server runs receiver processes: pushes go to that port.
         self._push_channel: grpc.Channel | None = None
         self._push_remote: Any = None
+        self._push_port_retry_at = 0.0
         self.push_address = ""
         self._pull = self._channel.unary_stream(
             "/murmura.v1.Aggregator/Pull", request_serializer=pb.PullRequest.SerializeToString,
@@ -302,13 +308,18 @@ class GrpcTransport(Transport):
         if self._push_channel is not None:
             self._push_channel.close()
         self._push_channel, self._push_remote, self.push_address = None, None, address
+        self._push_port_retry_at = 0.0
         if not address:
             return
+        # A connection attempt (TCP and the TLS/HTTP2 handshake) that takes longer than the
+        # connect timeout fails the push over to the aggregator, instead of gRPC's 20 s.
+        options = [*self._options,
+                   ("grpc.min_reconnect_backoff_ms", int(1000 * self.connect_timeout_s))]
         if self.tls is not None:
             self._push_channel = grpc.secure_channel(address, channel_credentials(self.tls),
-                                                     self._options)
+                                                     options)
         else:  # the aggregator's own address passed the plaintext check; same host
-            self._push_channel = grpc.insecure_channel(address, options=self._options)
+            self._push_channel = grpc.insecure_channel(address, options=options)
         self._push_remote = self._push_channel.stream_unary(
             "/murmura.v1.Aggregator/Push", request_serializer=serde.serialize_update_item,
             response_deserializer=pb.PushReply.FromString)
@@ -378,7 +389,7 @@ class GrpcTransport(Transport):
     def push(self, header: UpdateHeader, payload: bytes) -> PushResult:
         items = list(serde.iter_update_items(header, payload, self.chunk_bytes))
         reply = None
-        if self._push_remote is not None:  # the receivers' port
+        if self._receivers_reachable():
             try:
                 reply = self._push_remote(iter(items), timeout=self.timeout_s)
             except grpc.RpcError as exc:
@@ -387,8 +398,7 @@ class GrpcTransport(Transport):
                     raise error from None
                 # no receiver answered (restarting, or the port is blocked): the aggregator
                 # serves Push too, and a retried update that was taken is a duplicate there
-                log.info("push to the receivers at %s failed (%s); pushing to %s instead",
-                         self.push_address[:80], error.status, self.address[:80])
+                self._avoid_receivers(error.status)
         if reply is None:
             try:
                 reply = self._push(iter(items), timeout=self.timeout_s)
@@ -397,6 +407,17 @@ class GrpcTransport(Transport):
         self._bytes_up += sum(serde.data_chunk_wire_bytes(len(c)) if isinstance(c, memoryview)
                               else c.ByteSize() for c in items)
         return serde.push_result_from_proto(reply)
+
+    def _receivers_reachable(self) -> bool:
+        """Whether to push to the receivers' port: it was announced and has not failed in
+        the last :data:`PUSH_PORT_RETRY_S`."""
+        return self._push_channel is not None \
+            and time.monotonic() >= self._push_port_retry_at
+
+    def _avoid_receivers(self, why: str) -> None:
+        self._push_port_retry_at = time.monotonic() + PUSH_PORT_RETRY_S
+        log.info("push to the receivers at %s failed (%s); pushing to %s for the next "
+                 "%g s", self.push_address[:80], why, self.address[:80], PUSH_PORT_RETRY_S)
 
     def secagg_link(self) -> SecAggLink:
         from murmura.client.secagg import SecAggLink
