@@ -81,7 +81,9 @@ async def _serve(server_cfg: ServerConfig, task: TaskConfig, args: argparse.Name
             raise
         raise ValueError(f"--address: cannot listen on {server_cfg.address[:60]} (port "
                          f"already in use?)") from None
-    print(f"murmura server listening on {srv.address}", flush=True)
+    pushes = f" (pushes: port {srv.push_port}, {server_cfg.tier.receivers} receivers)" \
+        if srv.push_port else ""
+    print(f"murmura server listening on {srv.address}{pushes}", flush=True)
     dashboard = None
     plan = plan_for(args, tls_cert=security.tls_cert, tls_key=security.tls_key)
     if plan is not None:  # a read-only web page of the run, served from its own thread

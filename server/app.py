@@ -220,7 +220,11 @@ class AggregatorServer:
         await server.start()
         self._server = server
         if cfg.tier.receivers:  # pushes received in their own processes (server/receivers.py)
-            await self._start_receivers(cfg.tier)
+            try:
+                await self._start_receivers(cfg.tier)
+            except BaseException:
+                await self.stop(grace=None)  # nothing half-started is left behind
+                raise
         self.core.add_listener(self._check_done)
         self._ticker = asyncio.create_task(self._tick())
         where = ("in-process" if self.tier.inline else

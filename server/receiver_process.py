@@ -195,6 +195,9 @@ def receiver_main(index: int, hub_path: str, token: str, host: str, port: int,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops its receivers itself
     try:
         asyncio.run(_receive(index, hub_path, token, host, port, tls, max_message_bytes))
+    except (OSError, RuntimeError) as exc:  # cannot bind, or the TLS files: one line, exit 1
+        logging.getLogger(__name__).error("receiver %d stopped: %s", index, exc)
+        sys.exit(1)
     finally:
         detach_all()
 

@@ -154,9 +154,10 @@ class ReceiverHub:
         self._started[index] = time.monotonic()
         deadline = loop.time() + START_TIMEOUT_S
         while not ready.done():  # the process may die before it says it is ready
-            if proc.poll() is not None:
-                raise RuntimeError(f"receiver {index} exited with code {proc.returncode} "
-                                   f"before it served {self.host}:{port}")
+            if proc.poll() is not None:  # its traceback is on stderr
+                raise ValueError(f"--push-port: receiver {index} could not serve "
+                                 f"{self.host}:{port} (exit code {proc.returncode}; is the port "
+                                 f"in use by another program?)")
             if loop.time() > deadline:
                 proc.kill()
                 raise RuntimeError(f"receiver {index} did not bind {self.host}:{port} within "

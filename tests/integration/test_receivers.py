@@ -261,6 +261,36 @@ def test_a_receiver_killed_mid_push_gives_its_slab_back(servers) -> None:
                what="the receiver started again")
 
 
+def test_a_push_port_in_use_is_refused_naming_the_flag_and_nothing_is_left_running() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        config = ServerConfig.from_flat(workers=1, receivers=1, require_identity=False,
+                                        push_port=busy.getsockname()[1])
+        core = AggregatorCore(config, SPEC, np.zeros(SIZE, np.float32))
+        srv = ServerThread(core, "127.0.0.1:0")
+        with pytest.raises(ValueError, match="--push-port: receiver 0 could not serve"):
+            srv.start()
+    assert _receiver_children() == []  # stopped, with the server's gRPC port and its tier
+    assert srv.server.tier is None and srv.server.receivers is None
+
+
+def _receiver_children() -> list[int]:
+    """Live receiver processes started by this process."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"murmura.server.receiver_process" in command:
+            found.append(int(entry))
+    return found
+
+
 def test_receivers_need_worker_processes_and_a_port_needs_receivers() -> None:
     with pytest.raises(ValueError, match="receivers write payloads into the tier's shared"):
         ServerConfig.from_flat(workers=0, receivers=2)
