@@ -33,3 +33,6 @@ def test_default_in_the_workers_is_the_in_process_model_bit_for_bit(serve, mode:
     assert row["column_jobs"] > 0 and row["column_fallbacks"] == 0
     assert np.array_equal(model, flat)
     assert np.abs(flat).sum() > 0
+    if mode == "sync":  # the same pushes through 2 receiver processes (server/receivers.py)
+        received, row = run(serve, workers=2, receivers=2, **kw)
+        assert row["receiver_pushes"] == 18 and np.array_equal(received, flat)
