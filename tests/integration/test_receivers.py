@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from murmura.client import GrpcTransport, transport
+from murmura.client import GrpcTransport, RemoteError, transport
 from murmura.protocols import (
     DeviceProfile,
     ModelSpec,
@@ -259,6 +259,42 @@ def test_a_receiver_killed_mid_push_gives_its_slab_back(servers) -> None:
     assert srv.call(lambda: srv.core.traffic.updates) == 0
     wait_until(lambda: srv.call(srv.server.receivers.stats)["receivers"] == 1, timeout=60,
                what="the receiver started again")
+
+
+def test_back_pressure_reaches_the_client_through_a_receiver_with_its_retry_hint(
+        servers) -> None:
+    """The tier's shared memory full (a stalled push holds the only slab that fits): a push
+    through a receiver is refused RESOURCE_EXHAUSTED with the gateway's retry hint in its
+    trailing metadata, and lands once the memory is free."""
+    srv = _server(servers, slab_mb=1)  # one slab (the smallest there is): one push at a time
+    receivers = f"127.0.0.1:{srv.call(lambda: srv.server.push_port)}"
+    t = GrpcTransport(srv.address, timeout_s=30)
+    session = t.join("a", DeviceProfile())[0].session
+    payload = np.full(SIZE, 0.5, "<f4").tobytes()
+    release = threading.Event()
+
+    def stalled() -> Iterator[object]:
+        yield _header(session, len(payload))
+        yield memoryview(payload)[:100]
+        release.wait(30)
+
+    pusher = threading.Thread(target=lambda: _raw_push(receivers, stalled()))
+    pusher.start()
+    slabs = srv.server.tier.slabs
+    wait_until(lambda: srv.call(lambda: slabs.in_use_bytes) > 0, what="a slab lent")
+    header = UpdateHeader(session=session, update_id="second", base_version=0,
+                          num_examples=1, codec="dense-f32", payload_bytes=len(payload),
+                          spec_fingerprint=SPEC.fingerprint())
+    with pytest.raises(RemoteError) as refused:
+        t.push(header, payload)
+    assert refused.value.status == "RESOURCE_EXHAUSTED"
+    assert refused.value.retry_after_s is not None and refused.value.retry_after_s > 0
+    release.set()
+    pusher.join(30)
+    wait_until(lambda: srv.call(lambda: slabs.in_use_bytes) == 0, what="the slab given back")
+    assert not t.push(header, payload).duplicate  # the same update, retried: it lands
+    assert srv.call(srv.server.receivers.stats)["receiver_pushes"] == 1
+    t.close()
 
 
 def test_a_push_port_in_use_is_refused_naming_the_flag_and_nothing_is_left_running() -> None:
