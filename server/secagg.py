@@ -53,7 +53,7 @@ from murmura.protocols.secagg.weighted import (
     SecAggParams,
     decode_sum,
     decode_weighted,
-    from_wire,
+    wire_words,
 )
 from murmura.server.errors import (
     FailedPrecondition,
@@ -123,6 +123,8 @@ class SecAggRound:
         self.answers: dict[tuple[int, str], dict[int, Share]] = {}
         self.answered: set[int] = set()
         self._total: RingVector | None = None  # publisher thread only
+        self._peers: dict[int, tuple[PeerView, ...]] = {}     # view(): per client index
+        self._held: dict[int, tuple[tuple[int, bytes], ...]] = {}
         self.result: UnmaskResult | None = None
 
     # -- who is expected ----------------------------------------------------------------------
@@ -322,12 +324,12 @@ class SecAggRound:
         """Publisher thread: parse and range-check a masked input, then add it to the sum.
         ``InvalidArgument`` (the sum unchanged) for a payload that is not a ring vector."""
         try:
-            values = from_wire(payload, self.params, self.input_length)
+            words = wire_words(payload, self.params, self.input_length)
         except ValueError as exc:
             raise InvalidArgument(str(exc), reason="secagg input out of the ring") from None
         if self._total is None:
-            self._total = np.zeros(self.input_length, dtype=np.uint64)
-        np.add(self._total, values, out=self._total)  # wraps modulo 2**64: exact
+            self._total = np.zeros(self.input_length, dtype=words.dtype)
+        np.add(self._total, words, out=self._total)  # wraps modulo 2**32 or 2**64: exact
 
     def end_input(self, index: int, ok: bool) -> None:
         """Owner thread: the masked input of ``index`` was added (``ok``) or refused."""
@@ -420,7 +422,7 @@ class SecAggRound:
 
         def run() -> UnmaskResult:
             assert self._total is not None
-            total = _reduce(self._total, bits)
+            total = _reduce(self._total.astype(np.uint64), bits)
             plain = unmask(total, graph=graph, included=included, dropped=dropped,
                            self_seeds=self_seeds, pair_seeds=pair_seeds,
                            round_id=self.round_id, bits=bits)
@@ -481,11 +483,18 @@ class SecAggRound:
                           reason=self.reason)
         if i == 0 or self.stage in (Stage.KEYS, Stage.ABANDONED):
             return base
-        peers = tuple(PeerView(j, self.ids[j], self.keys[self.ids[j]])
-                      for j in sorted(self.graph[i]))
+        # A client asks at every stage (and a polling one more often); its neighbours are
+        # fixed once the keys are in, the ciphertexts it holds once the shares are.
+        peers = self._peers.get(i)
+        if peers is None:
+            peers = self._peers[i] = tuple(PeerView(j, self.ids[j], self.keys[self.ids[j]])
+                                           for j in sorted(self.graph[i]))
         cts: tuple[tuple[int, bytes], ...] = ()
         if self.stage >= Stage.INPUT and i in self.mask_graph:
-            cts = tuple((j, self.sent[j][i]) for j in sorted(self.mask_graph[i]))
+            cts = self._held.get(i, ())
+            if not cts:
+                cts = self._held[i] = tuple((j, self.sent[j][i])
+                                            for j in sorted(self.mask_graph[i]))
         inc = self.included if self.stage >= Stage.UNMASK else ()
         drop = self.dropped if self.stage >= Stage.UNMASK else ()
         return ClientView(self.round_id, self.stage, index=i, threshold=self.t,

@@ -158,15 +158,22 @@ def to_wire(values: RingVector, params: SecAggParams) -> bytes:
 def from_wire(payload: bytes | bytearray | memoryview, params: SecAggParams,
               length: int) -> RingVector:
     """Parse a masked input; ``ValueError`` for a wrong length or a value outside the ring."""
+    return wire_words(payload, params, length).astype(np.uint64)
+
+
+def wire_words(payload: bytes | bytearray | memoryview, params: SecAggParams,
+               length: int) -> npt.NDArray[np.uint32] | npt.NDArray[np.uint64]:
+    """:func:`from_wire` without the widening copy: a read-only view of the payload's words
+    (``uint32`` for rings of up to 32 bits). Sums of them in that dtype wrap modulo ``2**32``
+    or ``2**64``, which ``2**bits`` divides, so a server adds inputs in it and reduces once."""
     if len(payload) != length * params.word_bytes:
         raise ValueError(f"a masked input of {length} values has {length * params.word_bytes} "
                          f"bytes, got {len(payload)}")
     words = np.frombuffer(payload, dtype="<u4" if params.word_bytes == 4 else "<u8")
-    values = words.astype(np.uint64)
-    if params.bits not in (32, 64) and values.size and int(values.max()) >> params.bits:
+    if params.bits not in (32, 64) and words.size and int(words.max()) >> params.bits:
         raise ValueError(f"the masked input holds values outside the ring Z_2**{params.bits}")
-    return values
+    return words
 
 
 __all__ = ["RING_CODECS", "SecAggParams", "decode_sum", "decode_weighted", "encode_weighted",
-           "from_wire", "to_wire"]
+           "from_wire", "to_wire", "wire_words"]
