@@ -38,11 +38,15 @@ def push_in_chunks(address: str, header: UpdateHeader, payload: bytes) -> pb.Pus
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])
-def test_a_push_in_odd_sized_chunks_lands_byte_identical(tmp_path, serve, workers) -> None:
-    """workers=1: the chunks land in a shared-memory slab that a worker process decodes."""
+@pytest.mark.parametrize(("workers", "receivers"),
+                         [(0, 0), pytest.param(1, 0, marks=pytest.mark.slow), (1, 1)])
+def test_a_push_in_odd_sized_chunks_lands_byte_identical(tmp_path, serve, workers,
+                                                         receivers) -> None:
+    """workers=1: the chunks land in a shared-memory slab that a worker process decodes;
+    receivers=1: a receiver process writes them into that slab (server/receivers.py)."""
     config = ServerConfig.from_flat(mode="async", buffer_size=2, max_versions=10,
-                                    workers=workers, require_identity=False, optimizer="fedavg")
+                                    workers=workers, require_identity=False, optimizer="fedavg",
+                                    receivers=receivers)
     initial = np.zeros(N, np.float32)
     core = assemble_core(config, SPEC, initial, out_dir=tmp_path, durable=True)
     srv = serve(core)
@@ -57,7 +61,11 @@ def test_a_push_in_odd_sized_chunks_lands_byte_identical(tmp_path, serve, worker
                for i, p in enumerate(payloads)]
     t.close()
 
-    replies = [push_in_chunks(srv.address, h, p) for h, p in zip(headers, payloads, strict=True)]
+    address = srv.address if not receivers else \
+        f"127.0.0.1:{srv.call(lambda: srv.server.push_port)}"
+    replies = [push_in_chunks(address, h, p) for h, p in zip(headers, payloads, strict=True)]
+    if receivers:
+        assert srv.call(srv.server.receivers.stats)["receiver_pushes"] == 3
 
     assert [r.duplicate for r in replies] == [False] * 3
     # the first two made version 1: their mean, folded from the bytes that landed
