@@ -35,7 +35,7 @@ from murmura.server.tier import DecodedMeta, check_payload_job
 if TYPE_CHECKING:
     from murmura.server.decoding import Decoder
 
-__all__ = ["TlsFiles", "receiver_main", "recv_message", "send_message"]
+__all__ = ["Frames", "TlsFiles", "receiver_main", "recv_message", "send_message"]
 
 #: The most bytes one hub message may have (a header, a result, a refusal: all far smaller).
 MAX_FRAME = 1 << 20
@@ -54,9 +54,37 @@ class TlsFiles:
 # -- framing -------------------------------------------------------------------------------
 
 
-def send_message(writer: asyncio.StreamWriter, message: tuple[Any, ...]) -> None:
+def send_message(writer: asyncio.StreamWriter | asyncio.WriteTransport,
+                 message: tuple[Any, ...]) -> None:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     writer.write(_LEN.pack(len(data)) + data)
+
+
+class Frames:
+    """The hub side's reader: bytes in as they arrive, whole messages out (no coroutine per
+    message: the gateway handles two of them per push)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[Any, ...]]:
+        """Every message ``data`` completes; ``ConnectionError`` for a malformed stream."""
+        buf = self._buf
+        buf += data
+        out = []
+        while len(buf) >= _LEN.size:
+            size = _LEN.unpack_from(buf)[0]
+            if size > MAX_FRAME:
+                raise ConnectionError(f"a hub message of {size} bytes (at most {MAX_FRAME})")
+            end = _LEN.size + size
+            if len(buf) < end:
+                break
+            message = pickle.loads(bytes(buf[_LEN.size:end]))
+            del buf[:end]
+            if not isinstance(message, tuple) or not message:
+                raise ConnectionError("a hub message that is not a tuple")
+            out.append(message)
+        return out
 
 
 async def recv_message(reader: asyncio.StreamReader) -> tuple[Any, ...] | None:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from murmura.protocols import UpdateHeader, serde
 from murmura.server.errors import ServiceError, Unavailable
-from murmura.server.receiver_process import TlsFiles, recv_message, send_message
+from murmura.server.receiver_process import Frames, TlsFiles, send_message
 from murmura.server.slabs import Slab
 from murmura.server.tier import DecodedMeta
 
@@ -67,7 +67,7 @@ RESTART_S, RESTART_CAP_S = 0.5, 30.0
 class _Link:
     """One receiver's connection to the hub, and the slabs lent to it."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: asyncio.WriteTransport) -> None:
         self.writer = writer
         self.index = -1
         self.pid = 0
@@ -76,6 +76,32 @@ class _Link:
         self.inflight: set[int] = set()    # request ids of completes being run
         self.cancelled: set[int] = set()   # ... whose client went away
         self.tasks: set[asyncio.Task[None]] = set()
+
+
+class _HubProtocol(asyncio.Protocol):
+    """One receiver's link, read as bytes arrive (server/receiver_process.py's framing)."""
+
+    def __init__(self, hub: ReceiverHub) -> None:
+        self.hub = hub
+        self.frames = Frames()
+        self.link: _Link | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        self.link = _Link(transport)
+
+    def data_received(self, data: bytes) -> None:
+        assert self.link is not None
+        try:
+            for message in self.frames.feed(data):
+                self.hub._on_message(self.link, message)
+        except Exception:  # noqa: BLE001 - a broken link ends that receiver, not the server
+            log.exception("receiver %d's link failed", self.link.index)
+            self.link.writer.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.link is not None:
+            self.hub._on_close(self.link)
 
 
 class ReceiverHub:
@@ -124,7 +150,9 @@ class ReceiverHub:
         """Start the receivers; returns their port once every one has bound it."""
         self._dir = tempfile.mkdtemp(prefix="murmura-receivers-")  # mode 0700
         self._path = os.path.join(self._dir, "hub.sock")
-        self._server = await asyncio.start_unix_server(self._serve, path=self._path)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _HubProtocol(self),
+                                                     path=self._path)
         try:
             # the first picks the port (any free one for push_port 0); the rest share it
             self.port = await self._spawn(0, self.requested_port)
@@ -165,33 +193,31 @@ class ReceiverHub:
             await asyncio.wait({ready}, timeout=0.05)
         return ready.result()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        link = _Link(writer)
-        try:
-            hello = await recv_message(reader)
-            if hello is None or hello[0] != "hello" or len(hello) != 5 \
-                    or not secrets.compare_digest(str(hello[2]), self._token):
-                log.warning("a process without the hub's token connected to the receivers' "
-                            "socket; closed")
-                return
-            link.index, link.pid = int(hello[3]), int(hello[4])
-            self._links.add(link)
-            # Where the workers fold int8/int4/top-k payloads straight from the slab, the
-            # receiver checks them too, as a worker would (tier.check_payload_job): one job
-            # less per update on the gateway.
-            send_message(writer, ("ok", hello[1], self.tier.decoder if self.tier.fuse else None))
-            while (message := await recv_message(reader)) is not None:
-                self._dispatch(link, message)
-        except Exception:  # noqa: BLE001 - a broken link ends that receiver, not the server
-            log.exception("receiver %d's link failed", link.index)
-        finally:
-            self._links.discard(link)
-            for _, slab, _ in link.leases.values():  # payloads it was still receiving
-                self.tier.discard(slab)
-            link.leases.clear()
-            writer.close()
-            if link.ready and not self._stopping:
-                self._respawn(link.index)
+    def _on_message(self, link: _Link, message: tuple[Any, ...]) -> None:
+        if link.index >= 0:
+            self._dispatch(link, message)
+            return
+        if message[0] != "hello" or len(message) != 5 \
+                or not secrets.compare_digest(str(message[2]), self._token):
+            log.warning("a process without the hub's token connected to the receivers' "
+                        "socket; closed")
+            link.writer.close()
+            return
+        link.index, link.pid = int(message[3]), int(message[4])
+        self._links.add(link)
+        # Where the workers fold int8/int4/top-k payloads straight from the slab, the
+        # receiver checks them too, as a worker would (tier.check_payload_job): one job less
+        # per update on the gateway.
+        send_message(link.writer, ("ok", message[1],
+                                   self.tier.decoder if self.tier.fuse else None))
+
+    def _on_close(self, link: _Link) -> None:
+        self._links.discard(link)
+        for _, slab, _ in link.leases.values():  # payloads it was still receiving
+            self.tier.discard(slab)
+        link.leases.clear()
+        if link.ready and not self._stopping:
+            self._respawn(link.index)
 
     def _dispatch(self, link: _Link, message: tuple[Any, ...]) -> None:
         kind = message[0]
