@@ -184,7 +184,9 @@ class AggregatorCore(SessionsJob, IntakeJob, VersionsJob):
         self._seen: RecentMap[tuple[str, str], int] = RecentMap(SEEN_UPDATES,
                                                                 security.dedup_ttl_s, clock)
         self._inflight: set[tuple[str, str]] = set()
-        self._valid_header: UpdateHeader | None = None  # the last header check_header passed
+        #: The last headers check_header passed, by id (a header is checked at precheck and
+        #: again at begin_push; several pushes are received at once over gRPC)
+        self._valid_headers: OrderedDict[int, UpdateHeader] = OrderedDict()
         self.traffic = Traffic()
         self.telemetry = Telemetry(self)  # what the run is doing (server/telemetry.py)
         #: Durable state (server/store.py): a push is acknowledged once it is on disk there.

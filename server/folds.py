@@ -366,7 +366,7 @@ class FoldSlots:
                     decoded: Decoded, weight: float, factor: float, client_id: str,
                     release: Release) -> None:
         try:
-            if before is not None:
+            if before is not None and not before.done():
                 await asyncio.wait([before])  # the fold before it on this slot, done or failed
             assert decoded.shared is not None
             slot.jobs += 1  # an in-place fold's sequence number (the same on a retry)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, cast
@@ -59,6 +60,9 @@ MAX_PARTIAL_COUNT = 1 << 31
 
 #: The most distinct ``STATUS: reason`` keys counted; later new ones count as ``STATUS: other``.
 MAX_REFUSAL_REASONS = 64
+#: Headers remembered as validated (by identity): pushes received at once, each checked at
+#: its precheck, are not checked again at their begin_push.
+VALID_HEADERS = 256
 
 
 _HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(UpdateHeader))
@@ -82,7 +86,7 @@ class IntakeJob:
     last_durable: Future[Any] | None
     fold_mass: float
     _seq: int
-    _valid_header: UpdateHeader | None
+    _valid_headers: OrderedDict[int, UpdateHeader]
     _pipeline: PushPipeline | None
 
     if TYPE_CHECKING:  # the core's state, typed where AggregatorCore declares it
@@ -168,10 +172,13 @@ class IntakeJob:
                   rec: ClientRecord | None = None) -> ClientRecord:
         # A transport prechecks a header and then pushes that same (frozen) header object:
         # its fields are validated once (a tenth of a simulated round went to validating
-        # each header twice). A header that is not the last one validated is checked again.
-        if header is not self._valid_header:
+        # each header twice). A header not among the last ones validated is checked again.
+        valid = self._valid_headers
+        if valid.get(id(header)) is not header:
             check_header(header)
-            self._valid_header = header
+            valid[id(header)] = header
+            if len(valid) > VALID_HEADERS:
+                valid.popitem(last=False)
         if rec is None:
             rec = self._record(header.session)
         if header.payload_bytes > self.config.security.max_payload_bytes:
