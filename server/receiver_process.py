@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import json
 import logging
-import os
 import pickle
 import signal
 import struct
@@ -26,7 +25,6 @@ import grpc
 
 from murmura.protocols import UpdateHeader, serde
 from murmura.protocols import murmura_pb2 as pb
-from murmura.protocols.serde import tolerant
 from murmura.server.errors import ServiceError, Unavailable
 from murmura.server.push_stream import PushStream
 from murmura.server.slabs import SlabRef, attach, detach_all
@@ -35,7 +33,7 @@ from murmura.server.tier import DecodedMeta, check_payload_job
 if TYPE_CHECKING:
     from murmura.server.decoding import Decoder
 
-__all__ = ["Frames", "TlsFiles", "receiver_main", "recv_message", "send_message"]
+__all__ = ["Frames", "TlsFiles", "receiver_main", "send_message"]
 
 #: The most bytes one hub message may have (a header, a result, a refusal: all far smaller).
 MAX_FRAME = 1 << 20
@@ -61,7 +59,7 @@ def send_message(writer: asyncio.StreamWriter | asyncio.WriteTransport,
 
 
 class Frames:
-    """The hub side's reader: bytes in as they arrive, whole messages out (no coroutine per
+    """A link's reader: bytes in as they arrive, whole messages out (no coroutine per
     message: the gateway handles two of them per push)."""
 
     def __init__(self) -> None:
@@ -85,20 +83,6 @@ class Frames:
                 raise ConnectionError("a hub message that is not a tuple")
             out.append(message)
         return out
-
-
-async def recv_message(reader: asyncio.StreamReader) -> tuple[Any, ...] | None:
-    """The next message, or None when the other side closed the link."""
-    try:
-        size = _LEN.unpack(await reader.readexactly(_LEN.size))[0]
-        if size > MAX_FRAME:
-            raise ConnectionError(f"a hub message of {size} bytes (at most {MAX_FRAME})")
-        message = pickle.loads(await reader.readexactly(size))
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
-    if not isinstance(message, tuple) or not message:
-        raise ConnectionError("a hub message that is not a tuple")
-    return message
 
 
 # -- the receiver process ------------------------------------------------------------------
@@ -145,17 +129,21 @@ class _HubClient:
             self._pending.pop(rid, None)
 
     async def run(self) -> None:
-        """Match answers to calls until the hub closes the link."""
-        while (message := await recv_message(self.reader)) is not None:
-            status, rid, value = message
-            future = self._pending.get(rid)
-            if future is None or future.done():
-                continue
-            if status == "ok":
-                future.set_result(value)
-            else:  # a refusal the gateway counted already
-                value.counted = True
-                future.set_exception(value)
+        """Match answers to calls until the hub closes the link (or breaks the framing)."""
+        frames = Frames()
+        try:
+            while data := await self.reader.read(1 << 16):
+                for status, rid, value in frames.feed(data):
+                    future = self._pending.get(rid)
+                    if future is None or future.done():
+                        continue
+                    if status == "ok":
+                        future.set_result(value)
+                    else:  # a refusal the gateway counted already
+                        value.counted = True
+                        future.set_exception(value)
+        except ConnectionError:
+            pass
         self.closed = True
         for future in self._pending.values():
             if not future.done():
@@ -193,7 +181,7 @@ class _ReceiverServicer:
 
     async def Push(self, request_iterator: AsyncIterator[pb.UpdateChunk | memoryview],
                    context: grpc.aio.ServicerContext) -> pb.PushReply:
-        from murmura.server.service import RETRY_AFTER_KEY
+        from murmura.server.service import abort_with
 
         stream = PushStream()
         try:
@@ -205,10 +193,7 @@ class _ReceiverServicer:
         except ServiceError as exc:
             if not exc.counted:  # refused here (the stream itself): the gateway counts it
                 self.hub.send("refused", exc)
-            if exc.retry_after_s is not None:
-                context.set_trailing_metadata(((RETRY_AFTER_KEY,
-                                                str(int(1000 * exc.retry_after_s))),))
-            await context.abort(grpc.StatusCode[exc.status], exc.message)
+            await abort_with(context, exc)
         finally:
             if stream.lease is not None:
                 self.hub.send("discard", stream.lease.lease_id)
@@ -233,23 +218,20 @@ def receiver_main(index: int, hub_path: str, token: str, host: str, port: int,
 async def _receive(index: int, hub_path: str, token: str, host: str, port: int,
                    tls: TlsFiles | None, max_message_bytes: int) -> None:
     from murmura.protocols.tls import server_credentials
-    from murmura.server.service import SERVICE
+    from murmura.server.service import SERVICE, push_handler
 
     reader, writer = await asyncio.open_unix_connection(hub_path)
     hub = _HubClient(reader, writer)
     answers = asyncio.create_task(hub.run())
-    decoder = await hub.call("hello", token, index, os.getpid())
+    decoder = await hub.call("hello", token, index)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 1),  # the receivers share one port
     ])
     servicer = _ReceiverServicer(hub, decoder)
-    handlers = {"Push": grpc.stream_unary_rpc_method_handler(
-        servicer.Push,
-        request_deserializer=tolerant(serde.deserialize_update_item, "an UpdateChunk"),
-        response_serializer=pb.PushReply.SerializeToString)}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        SERVICE, {"Push": push_handler(servicer.Push)}),))
     address = f"{host}:{port}"
     if tls is not None:
         bound = server.add_secure_port(address, server_credentials(

@@ -70,7 +70,6 @@ class _Link:
     def __init__(self, writer: asyncio.WriteTransport) -> None:
         self.writer = writer
         self.index = -1
-        self.pid = 0
         self.ready = False  # it said it serves; a death before that is _spawn's to report
         self.leases: dict[int, tuple[UpdateHeader, Slab, float]] = {}  # ..., opened at
         self.inflight: set[int] = set()    # request ids of completes being run
@@ -197,13 +196,13 @@ class ReceiverHub:
         if link.index >= 0:
             self._dispatch(link, message)
             return
-        if message[0] != "hello" or len(message) != 5 \
+        if message[0] != "hello" or len(message) != 4 \
                 or not secrets.compare_digest(str(message[2]), self._token):
             log.warning("a process without the hub's token connected to the receivers' "
                         "socket; closed")
             link.writer.close()
             return
-        link.index, link.pid = int(message[3]), int(message[4])
+        link.index = int(message[3])
         self._links.add(link)
         # Where the workers fold int8/int4/top-k payloads straight from the slab, the
         # receiver checks them too, as a worker would (tier.check_payload_job): one job less

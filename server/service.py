@@ -140,10 +140,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     async def _abort(self, context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
         """Answer a refusal (counted here unless the core counted it)."""
         self.core.count_refusal(exc)
-        if exc.retry_after_s is not None:
-            context.set_trailing_metadata(((RETRY_AFTER_KEY,
-                                            str(int(1000 * exc.retry_after_s))),))
-        await context.abort(grpc.StatusCode[exc.status], exc.message)
+        await abort_with(context, exc)
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext
                    ) -> pb.JoinReply:
@@ -275,6 +272,21 @@ async def _durable(fut: object, what: str) -> None:
 SERVICE = "murmura.v1.Aggregator"
 
 
+async def abort_with(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
+    """End the call with the refusal's status, and its retry hint in the trailing metadata
+    (the gateway's servicer and the receivers answer refusals alike)."""
+    if exc.retry_after_s is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(int(1000 * exc.retry_after_s))),))
+    await context.abort(grpc.StatusCode[exc.status], exc.message)
+
+
+def push_handler(push: Callable[..., Any]) -> grpc.RpcMethodHandler:
+    """Push's method handler: payload chunks read as zero-copy views (serde.frame_data)."""
+    return grpc.stream_unary_rpc_method_handler(
+        push, request_deserializer=tolerant(serde.deserialize_update_item, "an UpdateChunk"),
+        response_serializer=pb.PushReply.SerializeToString)
+
+
 def add_servicer(servicer: AggregatorServicer, server: grpc.aio.Server) -> None:
     """Register the servicer like the generated ``add_AggregatorServicer_to_server``, except
     that Push and Pull frame payload chunks themselves (see ``serde.frame_data``)."""
@@ -289,10 +301,7 @@ def add_servicer(servicer: AggregatorServicer, server: grpc.aio.Server) -> None:
         "Pull": grpc.unary_stream_rpc_method_handler(
             servicer.Pull, request_deserializer=tolerant(pb.PullRequest.FromString, "PullRequest"),
             response_serializer=serde.serialize_model_item),
-        "Push": grpc.stream_unary_rpc_method_handler(
-            servicer.Push,
-            request_deserializer=tolerant(serde.deserialize_update_item, "an UpdateChunk"),
-            response_serializer=pb.PushReply.SerializeToString),
+        "Push": push_handler(servicer.Push),
         "Leave": grpc.unary_unary_rpc_method_handler(
             servicer.Leave,
             request_deserializer=tolerant(pb.LeaveRequest.FromString, "LeaveRequest"),
