@@ -244,9 +244,7 @@ class Tier:
         slabs = self.slabs
         payload = lease.buf[:header.payload_bytes]
         if self.fuse and self.decoder.fusable(header.codec):
-            if checked is not None:
-                return self._checked(header, lease, t0, checked)
-            return await self._check(header, lease, t0)
+            return await self._check(header, lease, t0, checked)
         out_bytes = output_nbytes(self.decoder, header.codec, payload[:24])
         if header.codec == DENSE:
             out, out_ref = None, OutRef(lease.name, 0, header.payload_bytes)
@@ -313,39 +311,32 @@ class Tier:
             failed()
             raise
 
-    async def _check(self, header: UpdateHeader, lease: Slab, t0: float
+    async def _check(self, header: UpdateHeader, lease: Slab, t0: float,
+                     checked: DecodedMeta | ServiceError | None = None
                      ) -> tuple[Decoded, Callable[[], None]]:
-        """A worker checks the payload; the update stays in ``lease`` until it is folded."""
+        """A worker checks the payload (unless a receiver did: ``checked`` is its outcome);
+        the update stays in ``lease`` until it is folded."""
         assert self.backend is not None and self.slabs is not None
         slabs = self.slabs
         ref = lease.ref(0, header.payload_bytes)
-        job = asyncio.ensure_future(self.backend.run(check_payload_job, self.decoder,
-                                                     header.codec, ref))
-        def release() -> None:
-            slabs.release(lease)
-        meta = await self._job(job, release)
-        self._count(t0)
-        decoded = Decoded(None, max_abs=meta.max_abs, payload_sha256=meta.payload_sha256,
-                          shared=ref, codec=header.codec)
-        return decoded, release
-
-    def _checked(self, header: UpdateHeader, lease: Slab, t0: float,
-                 checked: DecodedMeta | ServiceError) -> tuple[Decoded, Callable[[], None]]:
-        """:meth:`_check`'s outcome, from the receiver that checked the payload."""
-        slabs = self.slabs
-        assert slabs is not None
 
         def release() -> None:
             slabs.release(lease)
-        if not isinstance(checked, DecodedMeta):
+        if checked is None:
+            job = asyncio.ensure_future(self.backend.run(check_payload_job, self.decoder,
+                                                         header.codec, ref))
+            meta = await self._job(job, release)
+        elif isinstance(checked, DecodedMeta):
+            meta = checked
+        else:
             release()
             if isinstance(checked, ServiceError):
                 raise checked
             raise TypeError(f"a payload check's outcome is a DecodedMeta or a refusal, got "
                             f"{type(checked).__name__}")
         self._count(t0)
-        decoded = Decoded(None, max_abs=checked.max_abs, payload_sha256=checked.payload_sha256,
-                          shared=lease.ref(0, header.payload_bytes), codec=header.codec)
+        decoded = Decoded(None, max_abs=meta.max_abs, payload_sha256=meta.payload_sha256,
+                          shared=ref, codec=header.codec)
         return decoded, release
 
     def decode_inline(self, header: UpdateHeader, lease: ReceiveBuffer | Slab,
