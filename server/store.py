@@ -178,8 +178,13 @@ class SqliteState(AggregatorState):
         return self._spool.buffered_bytes
 
     def read_payload(self, ref: SpoolRef) -> bytes:
-        """A spooled payload's bytes (start-up replay)."""
+        """A spooled payload's bytes (start-up replay, a version rebuilt from its updates)."""
         if ref.segment == INLINE_SEGMENT:
+            if ref.data is not None:
+                # A reference that still carries its bytes may be read before the group commit
+                # that writes them has run (a damaged partial rebuilt at once): they are the
+                # bytes that commit writes.
+                return ref.data
             row = self._conn.execute("SELECT data FROM inline WHERE id = ?",
                                      (ref.offset,)).fetchone()
             if row is None or len(row[0]) != ref.length:
